@@ -1,0 +1,195 @@
+"""The one typed configuration schema of the pipeline.
+
+Every YAML file in configs/ validates against `PipelineConfig`; unknown keys are rejected with their
+dotted path named. Command-line overrides use dotted paths: `train.lr=3e-4 drafter.num_layers=3`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Strict):
+    # A local HF folder. None means the embedded testbed target (SmolLM2-135M-Instruct, converted on demand).
+    path: str | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # HF device_map for sharding a large target over several GPUs ("auto"), or a single device ("cpu", "cuda:0").
+    device_map: str | dict[str, Any] | None = None
+    # Feature backend: "hf" (forward hooks, in process). "sglang" is reserved for a serving-engine backend.
+    backend: Literal["hf", "sglang"] = "hf"
+
+
+class DrafterConfig(Strict):
+    num_layers: int = Field(2, ge=1)
+    block_size: int = Field(16, ge=2)
+    # Number of target layers fused (K). Ignored when target_layer_ids is given.
+    num_target_features: int = Field(5, ge=1)
+    # Reference convention: id i = OUTPUT of 0-based target layer i (HF hidden_states[i + 1]).
+    # None: the reference formula build_target_layer_ids(num_target_layers, num_target_features).
+    target_layer_ids: list[int] | None = None
+    # None: chosen from the target's tokenizer (see drafters.checkpoint.choose_mask_token_id).
+    mask_token_id: int | None = None
+    # Widths default to the target's; hidden_size always equals the target's.
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float | None = None
+
+
+class MixtureConfig(Strict):
+    # Relative weights of the general mixture's categories; they need not sum to 1.
+    weights: dict[Literal["code", "prose", "chat"], float] = {"code": 0.5, "prose": 0.2, "chat": 0.3}
+    num_samples: int = Field(480, ge=1)
+    max_prompt_tokens: int = Field(384, ge=8)
+    max_new_tokens: int = Field(192, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    generation_batch_size: int = Field(32, ge=1)
+    # Fraction of documents (by file / play / question) held out from training, for eval.
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _positive_weights(self) -> "MixtureConfig":
+        if not self.weights or any(w < 0 for w in self.weights.values()) or sum(self.weights.values()) <= 0:
+            raise ValueError(f"data.mixture.weights must be non-negative with a positive sum, got {self.weights}")
+        return self
+
+
+class DataConfig(Strict):
+    mixture: MixtureConfig = MixtureConfig()
+    # Trajectory log files or folders (JSONL, JSONL.gz, Parquet) for stage 2.
+    trajectories: list[str] = []
+    max_seq_len: int = Field(2048, ge=16)
+    seed: int = 0
+
+
+class FeaturesConfig(Strict):
+    # online: the target runs in the training process per batch; offline: read the feature cache.
+    mode: Literal["online", "offline"] = "online"
+    cache_dtype: Literal["bf16", "fp8"] = "bf16"
+    shard_tokens: int = Field(65_536, ge=1)
+
+
+class TrainConfig(Strict):
+    stage: Literal["general", "finetune"] = "general"
+    # Stage 2: weights-only initialisation from a stage-1 checkpoint (not a resume).
+    init_from: str | None = None
+    epochs: int = Field(3, ge=1)
+    max_steps: int | None = None
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    anchors_per_seq: int = Field(32, ge=1)
+    lr: float = Field(6e-4, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    loss: Literal["kl", "ce"] = "kl"
+    kl_temperature: float = Field(1.0, gt=0)
+    # Slot weights exp(-(k-1)/gamma); None picks the paper's value for the block size (7 for 16).
+    gamma: float | None = None
+    # Anchor-slot rows per vocabulary projection chunk: bounds the live logits to chunk x vocab.
+    logits_chunk: int = Field(1024, ge=1)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    seed: int = 0
+    save_every: int = Field(200, ge=1)
+    keep_last: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+
+
+class EvalConfig(Strict):
+    categories: list[Literal["code", "prose", "agentic"]] = ["code", "prose", "agentic"]
+    max_prompts: int = Field(16, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    reference_subset: int = Field(4, ge=0)
+
+
+class LoggingConfig(Strict):
+    wandb: bool = False
+    wandb_project: str = "dflash"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+class PipelineConfig(Strict):
+    run_name: str = "testbed"
+    output_dir: str = "outputs/testbed"
+    # None: $DFLASH_CACHE or ~/.cache/dflash-pipeline.
+    cache_dir: str | None = None
+    target: TargetConfig = TargetConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    data: DataConfig = DataConfig()
+    features: FeaturesConfig = FeaturesConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema; the message names the key."""
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {'.'.join(keys[:depth + 1])!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=3e-4` -> ("train.lr", 0.0003). Values are read as YAML scalars or lists."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or key.startswith(".") or key.endswith("."):
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    return key.strip(), value
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(root)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown config key {where!r}")
+        else:
+            lines.append(f"config key {where!r}: {item['msg']} (got {item.get('input')!r})")
+    return f"invalid configuration ({source}):\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    tree: dict = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        tree, source = loaded, str(path)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    if overrides:
+        source += " + overrides " + " ".join(overrides)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
+
+
+def dump_config(config: PipelineConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

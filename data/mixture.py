@@ -1,0 +1,65 @@
+"""The general mixture: code, prose and chat prompts in configured proportions, responses regenerated.
+
+The regenerated dataset is cached under <cache>/datasets/mixture-<key>, where the key covers the
+mixture settings, the seed and the target's identity; an interrupted build resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from itertools import islice
+from pathlib import Path
+
+from datasets import Dataset
+
+from configs.schema import PipelineConfig
+
+# Characters per prompt token for the prompt builders' budget; longer prompts are quarantined by
+# the regeneration step (counted and recorded), not cut.
+CHARS_PER_TOKEN = 3
+
+
+def category_counts(weights: dict[str, float], total: int) -> dict[str, int]:
+    """Split total over the categories by weight (largest remainder, deterministic)."""
+    norm = sum(weights.values())
+    exact = {c: total * w / norm for c, w in weights.items()}
+    counts = {c: int(v) for c, v in exact.items()}
+    for c in sorted(exact, key=lambda c: (counts[c] - exact[c], c))[: total - sum(counts.values())]:
+        counts[c] += 1
+    return counts
+
+
+def mixture_prompts(config: PipelineConfig, split: str = "train") -> list:
+    from data.sources import iter_prompts
+
+    mixture = config.data.mixture
+    prompts = []
+    for category, count in category_counts(mixture.weights, mixture.num_samples).items():
+        if count == 0:
+            continue
+        stream = iter_prompts(category, split, seed=config.data.seed, max_chars=mixture.max_prompt_tokens * CHARS_PER_TOKEN,
+                              heldout_fraction=mixture.heldout_fraction, passes=None)
+        prompts.extend(islice(stream, count))
+    return prompts
+
+
+def mixture_key(config: PipelineConfig, target_path: Path) -> str:
+    target_config = (Path(target_path) / "config.json").read_bytes()
+    settings = {"mixture": config.data.mixture.model_dump(mode="json"), "seed": config.data.seed,
+                "target": str(Path(target_path).resolve()), "target_config": hashlib.sha256(target_config).hexdigest()}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path) -> Dataset:
+    from data.regenerate import regenerate
+
+    mixture = config.data.mixture
+    out_dir = Path(cache_root) / "datasets" / f"mixture-{mixture_key(config, target_path)}"
+    prompts = mixture_prompts(config)
+    print(f"[data] general mixture: {len(prompts)} prompts -> {out_dir}", flush=True)
+    return regenerate(
+        prompts, target_path, out_dir, batch_size=mixture.generation_batch_size, max_new_tokens=mixture.max_new_tokens,
+        temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
+        dtype=config.target.dtype,
+    )

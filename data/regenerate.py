@@ -1,0 +1,449 @@
+"""Regenerate the responses of a set of prompts with the target model.
+
+DFlash drafters learn the target's own distribution, so training data is the prompts with the
+responses the TARGET writes. For every prompt we store the token ids the target actually saw and
+produced: the prompt rendered by its chat template with ``add_generation_prompt=True``, then the
+generated ids verbatim, up to and including the end-of-turn token when it was emitted (no decode /
+re-encode, which is not the identity). Responses cut by ``max_new_tokens`` are kept and marked
+``finished=False``. Only generated ids carry loss (``loss_mask == 1``).
+
+Layout of ``out_dir``::
+
+    dataset/            final `datasets` dataset (save_to_disk, Arrow); load with load_regenerated()
+    work/               resumable state: config.json, shard-NNNNNN.parquet (one per finished batch)
+    quarantine.jsonl    prompts that were not regenerated, one JSON line each with a reason
+    summary.json        counts and throughput of the last call
+
+Resuming: shards are written atomically (temp file + os.replace) after each batch; a new call with
+the same settings skips prompt ids already present in shards and regenerates only the rest, so a
+crash loses at most one batch. Greedy decoding is deterministic; sampling is seeded per batch from
+``seed`` and the batch's prompt ids.
+
+Batching note: the target runs in bf16 by default. In bf16, batched left-padded generation can pick
+a different token than unbatched generation at near-ties (different padded shapes round differently);
+both are the target's greedy output for its input shape. In fp32 (``dtype="float32"``) batched
+generation equals unbatched generation token for token (tested).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from data.chat_masks import PromptLike, build_from_generation, prompt_field, prompt_ids
+
+DATASET_DIR = "dataset"
+WORK_DIR = "work"
+QUARANTINE_FILE = "quarantine.jsonl"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "config.json"
+LOCK_FILE = ".lock"
+SHARD_GLOB = "shard-*.parquet"
+
+COLUMNS = ("prompt_id", "category", "source", "input_ids", "loss_mask", "finished", "num_generated",
+           "num_prompt_tokens")
+
+__all__ = [
+    "COLUMNS", "RegenerationInterrupted", "features", "load_regenerated", "read_quarantine", "regenerate",
+]
+
+
+def features():
+    """The dataset schema (``datasets.Features``)."""
+    from datasets import Features, List, Value
+
+    return Features({
+        "prompt_id": Value("string"),
+        "category": Value("string"),
+        "source": Value("string"),
+        "input_ids": List(Value("int32")),
+        "loss_mask": List(Value("int8")),
+        "finished": Value("bool"),
+        "num_generated": Value("int32"),
+        "num_prompt_tokens": Value("int32"),
+    })
+
+
+def _arrow_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("prompt_id", pa.string()), ("category", pa.string()), ("source", pa.string()),
+        ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+        ("finished", pa.bool_()), ("num_generated", pa.int32()), ("num_prompt_tokens", pa.int32()),
+    ])
+
+
+class RegenerationInterrupted(RuntimeError):
+    """Raised when ``max_batches`` stops a run before every prompt is done (the shards stay; call again)."""
+
+    def __init__(self, done: int, remaining: int):
+        super().__init__(f"stopped after the batch limit: {done} prompts done, {remaining} remaining; "
+                         "call regenerate() again with the same out_dir to resume")
+        self.done, self.remaining = done, remaining
+
+
+@dataclass
+class _Prompt:
+    index: int
+    id: str
+    category: str
+    source: str
+    messages: list[dict]
+    ids: list[int] | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Small file helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _write_shard(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows, schema=_arrow_schema())
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_shards(work: Path, columns: list[str] | None = None):
+    """All shard rows as one Arrow table (later shards win for a repeated prompt id)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = _arrow_schema()
+    if columns is not None:
+        schema = pa.schema([schema.field(c) for c in columns])
+    tables = [pq.read_table(shard, columns=columns, schema=schema) for shard in sorted(work.glob(SHARD_GLOB))]
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _WorkLock:
+    """One writer per work folder; a lock left by a dead process is taken over."""
+
+    def __init__(self, work: Path):
+        self.path = work / LOCK_FILE
+
+    def __enter__(self):
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    pid = int(self.path.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and pid != os.getpid() and _pid_alive(pid):
+                    raise RuntimeError(f"{self.path.parent} is being regenerated by process {pid}")
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return self
+        raise RuntimeError(f"could not lock {self.path}")
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------------
+
+
+def _normalise(prompts: Iterable[PromptLike | dict]) -> list[_Prompt]:
+    out, seen = [], set()
+    for i, p in enumerate(prompts):
+        pid = prompt_field(p, "id")
+        if pid is None or str(pid) == "":
+            raise ValueError(f"prompt #{i} has no id")
+        pid = str(pid)
+        if pid in seen:
+            raise ValueError(f"duplicate prompt id {pid!r}: ids key resumption and must be unique")
+        seen.add(pid)
+        messages = [dict(m) for m in (prompt_field(p, "messages") or [])]
+        out.append(_Prompt(index=i, id=pid, category=str(prompt_field(p, "category", "") or ""),
+                           source=str(prompt_field(p, "source", "") or ""), messages=messages))
+    return out
+
+
+def _prompt_messages(messages: list[dict]) -> list[dict]:
+    """The conversation up to the response to regenerate: trailing assistant turns are that response."""
+    messages = list(messages)
+    while messages and messages[-1].get("role") == "assistant":
+        messages.pop()
+    return messages
+
+
+def _batch_seed(seed: int, ids: Sequence[str]) -> int:
+    h = hashlib.sha256(f"{seed}\0".encode() + "\0".join(ids).encode()).digest()
+    return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def read_quarantine(out_dir: str | Path) -> list[dict]:
+    path = Path(out_dir) / QUARANTINE_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def load_regenerated(out_dir: str | Path):
+    """The final dataset written by :func:`regenerate`."""
+    from datasets import load_from_disk
+
+    return load_from_disk(str(Path(out_dir) / DATASET_DIR))
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if configured is not None:
+        ids += list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    if not ids:
+        raise ValueError("neither the target's generation_config nor its tokenizer defines an eos token")
+    return ids
+
+
+# --------------------------------------------------------------------------------------------------
+# Main entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def regenerate(
+    prompts: Iterable[PromptLike | dict],
+    target_path: str | Path,
+    out_dir: str | Path,
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    max_prompt_tokens: int | None = 2048,
+    dtype: str = "bfloat16",
+    chat_template: str | None = None,
+    sort_by_length: bool = True,
+    max_batches: int | None = None,
+    num_threads: int | None = None,
+    progress: bool = True,
+):
+    """Regenerate every prompt's response with the target at ``target_path``; return the final dataset.
+
+    prompts: objects or dicts with ``id`` (unique), ``category``, ``messages``, ``source``. A trailing
+        assistant message is treated as the response to replace and dropped from the prompt.
+    temperature: 0 -> greedy; > 0 -> sampling at that temperature (``top_p``/``top_k`` optional, off by
+        default: pure temperature sampling).
+    max_prompt_tokens: prompts whose template rendering is longer are quarantined (recorded in
+        ``quarantine.jsonl`` with the reason, counted in ``summary.json``), never dropped silently. So are
+        prompts that render to nothing / fail to render / have no user turn, and prompts whose length
+        plus ``max_new_tokens`` exceeds the target's context.
+    sort_by_length: batch prompts of similar length together (less padding).
+    max_batches: stop after this many new batches, raising :class:`RegenerationInterrupted` if prompts
+        remain (the finished shards stay; calling again resumes).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import torch
+    from datasets import Dataset, DatasetInfo, load_from_disk
+    from datasets.table import InMemoryTable
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be >= 1")
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    torch_dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                   "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}[str(dtype)]
+    if num_threads:
+        torch.set_num_threads(num_threads)
+
+    target_path, out_dir = Path(target_path), Path(out_dir)
+    work = out_dir / WORK_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    items = _normalise(prompts)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer at {target_path} has no chat template; pass chat_template=")
+    context = getattr(AutoConfig.from_pretrained(str(target_path)), "max_position_embeddings", None)
+
+    # ---- prompt ids and quarantine -------------------------------------------------------------
+    quarantined: list[dict] = []
+
+    def quarantine(p: _Prompt, reason: str, detail: str = "", **extra) -> None:
+        quarantined.append({"prompt_id": p.id, "category": p.category, "source": p.source,
+                            "reason": reason, "detail": detail, **extra})
+
+    valid: list[_Prompt] = []
+    for p in items:
+        messages = _prompt_messages(p.messages)
+        if not any(m.get("role") == "user" for m in messages):
+            quarantine(p, "no_user_turn", "the prompt has no user message to answer")
+            continue
+        try:
+            p.ids = prompt_ids(tokenizer, messages)
+        except Exception as exc:  # a template error for this prompt only
+            quarantine(p, "template_error", f"{type(exc).__name__}: {exc}")
+            continue
+        if not p.ids:
+            quarantine(p, "empty_prompt", "the template rendered no tokens")
+        elif max_prompt_tokens is not None and len(p.ids) > max_prompt_tokens:
+            quarantine(p, "prompt_too_long", f"{len(p.ids)} prompt tokens > max_prompt_tokens={max_prompt_tokens}",
+                       num_prompt_tokens=len(p.ids), limit=max_prompt_tokens)
+        elif context is not None and len(p.ids) + max_new_tokens > context:
+            quarantine(p, "exceeds_context", f"{len(p.ids)} prompt + {max_new_tokens} new tokens > context {context}",
+                       num_prompt_tokens=len(p.ids), limit=context)
+        else:
+            valid.append(p)
+
+    # ---- resumable state -------------------------------------------------------------------------
+    settings = {
+        "target_path": str(target_path.resolve()),
+        "max_new_tokens": max_new_tokens, "temperature": float(temperature),
+        "top_p": float(top_p) if temperature > 0 else None, "top_k": int(top_k) if temperature > 0 else None,
+        "seed": int(seed) if temperature > 0 else None, "dtype": str(torch_dtype),
+        "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
+    }
+    started = time.time()
+    generated_tokens = 0
+    new_batches = 0
+    gen_time = 0.0
+    with _WorkLock(work):
+        config_path = work / CONFIG_FILE
+        if config_path.exists():
+            previous = json.loads(config_path.read_text())
+            if previous != settings:
+                diff = {k: (previous.get(k), v) for k, v in settings.items() if previous.get(k) != v}
+                raise ValueError(f"{work} holds shards made with other settings {diff}; use a new out_dir "
+                                 "or delete the work folder")
+        else:
+            _atomic_write_text(config_path, json.dumps(settings, indent=2))
+        # Rewritten (not appended to) on every call: it lists this call's quarantined prompts.
+        _atomic_write_text(out_dir / QUARANTINE_FILE,
+                           "".join(json.dumps(q, ensure_ascii=False) + "\n" for q in quarantined))
+        for stale in work.glob(".shard-*.tmp-*"):
+            stale.unlink(missing_ok=True)
+
+        done_ids = set(_read_shards(work, ["prompt_id"]).column("prompt_id").to_pylist())
+        pending = [p for p in valid if p.id not in done_ids]
+        if sort_by_length:
+            pending.sort(key=lambda p: (len(p.ids), p.index))
+        next_shard = 1 + max((int(s.stem.split("-")[1]) for s in work.glob(SHARD_GLOB)), default=-1)
+
+        if pending:
+            model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype).eval()
+            eos_ids = _eos_ids(model, tokenizer)
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+            gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_ids,
+                                          "pad_token_id": pad_id}
+            if temperature > 0:
+                gen_kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+            else:
+                gen_kwargs.update(do_sample=False)
+            eos_set = set(eos_ids)
+            bar = tqdm(total=len(pending), unit="prompt", desc="regenerate", disable=not progress,
+                       dynamic_ncols=True)
+            try:
+                for start in range(0, len(pending), batch_size):
+                    if max_batches is not None and new_batches >= max_batches:
+                        raise RegenerationInterrupted(len(done_ids), len(pending) - start)
+                    batch = pending[start:start + batch_size]
+                    width = max(len(p.ids) for p in batch)
+                    input_ids = torch.tensor([[pad_id] * (width - len(p.ids)) + p.ids for p in batch])
+                    attention = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in batch])
+                    if temperature > 0:
+                        torch.manual_seed(_batch_seed(seed, [p.id for p in batch]))
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        out = model.generate(input_ids=input_ids, attention_mask=attention, **gen_kwargs)
+                    gen_time += time.perf_counter() - t0
+                    rows = []
+                    for p, row in zip(batch, out[:, width:].tolist()):
+                        cut = next((k for k, t in enumerate(row) if t in eos_set), None)
+                        generated = row if cut is None else row[:cut + 1]
+                        seq = build_from_generation(p.ids, generated)
+                        rows.append({"prompt_id": p.id, "category": p.category, "source": p.source,
+                                     "input_ids": seq.input_ids, "loss_mask": seq.loss_mask,
+                                     "finished": cut is not None, "num_generated": len(generated),
+                                     "num_prompt_tokens": len(p.ids)})
+                        generated_tokens += len(generated)
+                    _write_shard(work / f"shard-{next_shard:06d}.parquet", rows)
+                    next_shard += 1
+                    new_batches += 1
+                    done_ids.update(p.id for p in batch)
+                    bar.update(len(batch))
+                    bar.set_postfix({"tok/s": f"{generated_tokens / max(gen_time, 1e-9):.1f}"})
+            finally:
+                bar.close()
+
+        # ---- final dataset ------------------------------------------------------------------------
+        table = _read_shards(work)
+        position = {pid: k for k, pid in enumerate(table.column("prompt_id").to_pylist())}
+        missing = [p.id for p in valid if p.id not in position]
+        if missing:
+            raise RuntimeError(f"internal error: {len(missing)} prompts have no shard row, e.g. {missing[:3]}")
+        table = table.take(pa.array([position[p.id] for p in sorted(valid, key=lambda p: p.index)], pa.int64()))
+        dataset = Dataset(InMemoryTable(table.select(list(COLUMNS))), info=DatasetInfo(features=features()))
+        final, tmp = out_dir / DATASET_DIR, out_dir / f".{DATASET_DIR}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        dataset.save_to_disk(str(tmp))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+    elapsed = time.time() - started
+    finished = int(pc.sum(table.column("finished").cast(pa.int64())).as_py() or 0)
+    summary = {
+        "prompts": len(items), "regenerated": table.num_rows, "quarantined": len(quarantined),
+        "quarantine_reasons": {r: sum(q["reason"] == r for q in quarantined) for r in sorted({q["reason"] for q in quarantined})},
+        "finished": finished, "truncated": table.num_rows - finished,
+        "response_tokens": int(pc.sum(table.column("num_generated")).as_py() or 0),
+        "total_tokens": int(pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0),
+        "this_call": {"new_batches": new_batches, "generated_tokens": generated_tokens,
+                      "generation_seconds": round(gen_time, 3),
+                      "tokens_per_second": round(generated_tokens / gen_time, 2) if gen_time else None,
+                      "seconds": round(elapsed, 2)},
+        "settings": settings,
+    }
+    _atomic_write_text(out_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+    return load_from_disk(str(final))

@@ -1,0 +1,146 @@
+"""Target-feature capture: the K chosen layer outputs and the final normed hidden state.
+
+Layer id i is the OUTPUT of 0-based decoder layer i, i.e. HF hidden_states[i + 1]. For the last layer
+(i = L - 1) HF's hidden_states[L] is the final-norm output, so that id returns the normed state too.
+
+`HFCapture` runs the target's decoder (never its lm_head) with forward hooks that keep only the needed
+layers' outputs, instead of output_hidden_states=True which holds all L + 1 states. A serving-engine
+backend (SGLang) would implement the same `FeatureCapture` interface; `make_capture` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class Captured(NamedTuple):
+    selected: torch.Tensor      # [B, T, K*H] the chosen layers, concatenated in layer_ids order
+    final_hidden: torch.Tensor  # [B, T, H] output of the final norm (lm_head(final_hidden) = logits)
+
+
+class FeatureCapture(ABC):
+    layer_ids: list[int]
+
+    @abstractmethod
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> Captured:
+        ...
+
+
+class _StopForward(Exception):
+    pass
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The bare decoder (embeddings, layers, norm) of an HF causal LM."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
+        raise TypeError(f"{type(model).__name__}: cannot find decoder layers and final norm")
+    return decoder
+
+
+class HFCapture(FeatureCapture):
+    """Forward hooks on an in-process HF target (optionally dispatched with device_map)."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], output_device: torch.device | str | None = None):
+        self.model = model
+        self.decoder = decoder_of(model)
+        self.num_layers = len(self.decoder.layers)
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for a target with {self.num_layers} layers")
+        self.layer_ids = list(layer_ids)
+        if output_device is None:
+            output_device = self.decoder.get_input_embeddings().weight.device
+        self.output_device = torch.device(output_device)
+        self._store: dict = {}
+        self._recording = False
+        self._stop_after: int | None = None
+        hooked = {i for i in self.layer_ids if i < self.num_layers - 1}
+        self._handles = [self.decoder.layers[i].register_forward_hook(self._layer_hook(i)) for i in sorted(hooked)]
+        self._handles.append(self.decoder.norm.register_forward_hook(self._norm_hook))
+        # transformers >= 5.24 renamed the decoder's past_key_values argument to cache.
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _keep(self, key, output):
+        if self._recording:
+            hidden = output[0] if isinstance(output, tuple) else output
+            self._store[key] = hidden.to(self.output_device)
+
+    def _layer_hook(self, i: int):
+        def hook(module, args, output):
+            self._keep(i, output)
+            if self._recording and self._stop_after == i:
+                raise _StopForward
+        return hook
+
+    def _norm_hook(self, module, args, output):
+        self._keep("final", output)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @torch.no_grad()
+    def capture(self, input_ids, attention_mask=None, *, past_key_values=None, position_ids=None,
+                with_final: bool = True) -> Captured:
+        """Run the target on input_ids; a given DynamicCache is extended in place (continue a prefix).
+
+        with_final=False skips the final hidden state and, with no cache, stops the forward after the
+        last needed layer (final_hidden is then None). Outputs are plain (not inference-mode) tensors,
+        so they can feed a trained module.
+        """
+        last = self.num_layers - 1
+        stop_early = not with_final and past_key_values is None and last not in self.layer_ids
+        self._stop_after = max(self.layer_ids) if stop_early else None
+        self._store, self._recording = {}, True
+        try:
+            self.decoder(
+                input_ids=input_ids.to(self.decoder.get_input_embeddings().weight.device),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=past_key_values is not None,
+                **{self._cache_kwarg: past_key_values},
+            )
+        except _StopForward:
+            pass
+        finally:
+            self._recording = False
+        store, self._store = self._store, {}
+        final = store.get("final")
+        selected = torch.cat([final if i == last else store[i] for i in self.layer_ids], dim=-1)
+        return Captured(selected, final if with_final else None)
+
+    def capture_with_cache(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None):
+        """capture() that creates the DynamicCache if needed and returns it: (Captured, cache)."""
+        if past_key_values is None:
+            from transformers import DynamicCache
+
+            past_key_values = DynamicCache(config=self.model.config)
+        out = self.capture(input_ids, attention_mask, past_key_values=past_key_values, position_ids=position_ids)
+        return out, past_key_values
+
+
+def crop_cache(cache, length: int) -> None:
+    """Cut an HF cache back to its first `length` positions (negative crop works on every 5.x)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def make_capture(backend: str, model=None, layer_ids=None, **kwargs) -> FeatureCapture:
+    """Factory by backend name ("hf"; "sglang" is reserved and imported only when asked for)."""
+    if backend == "hf":
+        return HFCapture(model, layer_ids, **kwargs)
+    if backend == "sglang":
+        raise NotImplementedError(
+            "the SGLang feature backend is not implemented yet; it would subclass FeatureCapture and import "
+            "sglang inside its constructor"
+        )
+    raise ValueError(f"unknown feature backend {backend!r} (expected 'hf' or 'sglang')")

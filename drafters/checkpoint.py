@@ -1,0 +1,79 @@
+"""Save and load drafters in the reference DFlash format (what z-lab's package, SGLang and vLLM load).
+
+A checkpoint folder holds config.json (Qwen3 fields, "architectures": ["DFlashDraftModel"],
+"num_target_layers", "block_size", "dflash_config": {"mask_token_id", "target_layer_ids"}) and
+model.safetensors with the draft weights only (no embed_tokens, no lm_head). Writes are atomic: the
+folder is built under a temporary name next to the destination and moved into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from drafters.draft_config import build_target_layer_ids, choose_mask_token_id, validate_target  # noqa: F401  (public API)
+from drafters.model import DFlashDrafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def config_dict(config: Qwen3Config, dtype: torch.dtype | None = None) -> dict:
+    data = config.to_dict()
+    data["architectures"] = ["DFlashDraftModel"]
+    data["model_type"] = "qwen3"
+    # transformers 4.x readers (older SGLang / vLLM) look for a top-level rope_theta.
+    rope = data.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        data.setdefault("rope_theta", rope["rope_theta"])
+    if dtype is not None:
+        data["dtype"] = str(dtype).removeprefix("torch.")
+    return data
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors atomically; an existing folder is replaced."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().to("cpu", dtype or t.dtype).contiguous() for name, t in drafter.state_dict().items()}
+    stored_dtype = dtype or next(iter(state.values())).dtype
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config_dict(drafter.config, stored_dtype), indent=2, sort_keys=True) + "\n")
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / "x")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def load_draft_config(path: str | Path) -> Qwen3Config:
+    return Qwen3Config.from_dict(json.loads((Path(path) / CONFIG_NAME).read_text()))
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device=None, target_config=None) -> DFlashDrafter:
+    """Load a reference-format folder (in its stored dtype unless dtype is given); with target_config,
+    check the fit first (ValueError)."""
+    path = Path(path)
+    config = load_draft_config(path)
+    if target_config is not None:
+        validate_target(config, target_config)
+    drafter = DFlashDrafter(config)
+    state = load_file(str(path / WEIGHTS_NAME), device=str(device or "cpu"))
+    drafter.load_state_dict(state, strict=True, assign=True)
+    if dtype is not None or device is not None:
+        drafter.to(device=device, dtype=dtype)
+    return drafter

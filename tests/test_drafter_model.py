@@ -1,0 +1,177 @@
+"""The DFlash drafter's mask, labels and cache semantics, on a small random drafter (fp32, CPU)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from configs.schema import DrafterConfig
+from drafters.blocks import block_input_ids, block_positions, sample_anchors, training_attention_mask
+from drafters.draft_config import build_draft_config
+from drafters.model import DFlashDrafter, DraftCache
+from train.loss import block_targets
+
+H, K, B, VOCAB, MASK = 64, 3, 4, 300, 299
+TOL = 1e-5  # fp32: the training and inference paths run the same ops in a different batching
+
+
+def tiny_target_config():
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    torch.manual_seed(0)
+    cfg = build_draft_config(DrafterConfig(num_layers=2, block_size=B, num_target_features=K), tiny_target_config(), MASK)
+    drafter = DFlashDrafter(cfg).eval()
+    embed = torch.nn.Embedding(VOCAB, H)
+    embed.requires_grad_(False)
+    # Larger weights than the default init, so that every path visibly moves the output.
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return drafter, embed
+
+
+def inputs(bsz=2, t=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(bsz, t, K * H, generator=g)
+    ids = torch.randint(0, VOCAB - 1, (bsz, t), generator=g)
+    return feats, ids
+
+
+def single_block(drafter, embed, feats, ids, a):
+    """Inference-style draft of the block at anchor a, context = features[:a], fresh cache."""
+    block = block_input_ids(ids[None], torch.tensor([[a]]), B, MASK)[0]
+    return drafter.step(feats[None, :a], embed(block), a, DraftCache())[0]
+
+
+@torch.no_grad()
+def test_training_forward_equals_separate_inference_forwards(parts):
+    drafter, embed = parts
+    feats, ids = inputs()
+    anchors = torch.tensor([[0, 5, 23, 5, 11], [17, 1, 2, 20, 9]])  # any order, duplicates, first and last
+    out = drafter.forward_train(feats, ids, anchors, embed)
+    assert out.shape == (2, 5, B, H)
+    for b in range(2):
+        for n, a in enumerate(anchors[b].tolist()):
+            expected = single_block(drafter, embed, feats[b], ids[b], a)
+            torch.testing.assert_close(out[b, n], expected, atol=TOL, rtol=TOL)
+
+
+@torch.no_grad()
+def test_block_sees_context_strictly_before_its_anchor(parts):
+    drafter, embed = parts
+    feats, ids = inputs(bsz=1)
+    a, later = 10, 20  # the later anchor keeps positions >= a inside the computed context
+    anchors = torch.tensor([[a, later]])
+    base = drafter.forward_train(feats, ids, anchors, embed)
+    for pos in (a, a + 1, 15):
+        changed = feats.clone()
+        changed[0, pos] += 5.0
+        out = drafter.forward_train(changed, ids, anchors, embed)
+        torch.testing.assert_close(out[0, 0], base[0, 0], atol=1e-6, rtol=0)  # invisible to block a
+        assert (out[0, 1] - base[0, 1]).abs().max() > 1e-3  # visible to the later block
+    changed = feats.clone()
+    changed[0, a - 1] += 5.0
+    out = drafter.forward_train(changed, ids, anchors, embed)
+    assert (out[0, 0] - base[0, 0]).abs().max() > 1e-3, "block a must see the feature at a - 1"
+
+
+@torch.no_grad()
+def test_blocks_are_independent_and_bidirectional_inside(parts):
+    drafter, embed = parts
+    feats, ids = inputs(bsz=1)
+    anchors = torch.tensor([[6, 12, 18]])
+    base = drafter.forward_train(feats, ids, anchors, embed)
+    changed = ids.clone()
+    changed[0, 12] = (ids[0, 12] + 1) % (VOCAB - 1)  # the anchor token of block 1 only
+    out = drafter.forward_train(feats, changed, anchors, embed)
+    torch.testing.assert_close(out[0, [0, 2]], base[0, [0, 2]], atol=1e-6, rtol=0)
+    assert ((out[0, 1] - base[0, 1]).abs().amax(-1) > 1e-3).all(), "every slot of block 1 sees its anchor"
+
+    # Inside a block attention is bidirectional: slot 0 sees the last slot.
+    block = embed(block_input_ids(ids, torch.tensor([[6]]), B, MASK)[:, 0])
+    h0 = drafter.step(feats[:, :6], block, 6, DraftCache())
+    block[0, -1] += 1.0
+    h1 = drafter.step(feats[:, :6], block, 6, DraftCache())
+    assert (h1[0, 0] - h0[0, 0]).abs().max() > 1e-3
+
+
+def test_mask_matches_the_dflash_rule():
+    anchors = torch.tensor([[3, 1]])
+    mask = training_attention_mask(anchors, context_len=4, block_size=2)[0, 0]
+    expected = torch.tensor([
+        # ctx 0 1 2 3 | blk0 blk0 blk1 blk1
+        [1, 1, 1, 0, 1, 1, 0, 0],
+        [1, 1, 1, 0, 1, 1, 0, 0],
+        [1, 0, 0, 0, 0, 0, 1, 1],
+        [1, 0, 0, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def test_block_ids_positions_and_same_position_labels():
+    ids = torch.arange(100, 120)[None]
+    anchors = torch.tensor([[3, 17]])
+    blocks = block_input_ids(ids, anchors, B, MASK)
+    assert blocks.tolist() == [[[103, MASK, MASK, MASK], [117, MASK, MASK, MASK]]]
+    positions = block_positions(anchors, B)
+    assert positions.tolist() == [[[3, 4, 5, 6], [17, 18, 19, 20]]]
+    # The loss module's labels line up with the positions the model uses: slot k -> token a + k,
+    # slot 0 has no label, positions past the sequence are not supervised.
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    targets = block_targets(anchors, torch.ones_like(anchors, dtype=torch.bool), loss_mask, B)
+    assert torch.equal(targets.positions[0, 0], positions[0, 0, 1:])
+    assert targets.valid[0, 1].tolist() == [True, True, False]  # 18, 19 inside; 20 past T = 20
+    assert ids[0, targets.positions[0, 0]].tolist() == [104, 105, 106]
+
+
+def test_sample_anchors_respects_the_loss_mask():
+    loss_mask = torch.zeros(2, 30, dtype=torch.bool)
+    loss_mask[0, 10:25] = True
+    loss_mask[1, 28:] = True  # only position 28 is eligible (needs t and t + 1)
+    anchors, valid = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(0))
+    assert anchors.shape == valid.shape == (2, 8)
+    row = anchors[0][valid[0]].tolist()
+    assert len(row) == 8 and len(set(row)) == 8 and row == sorted(row)
+    assert all(10 <= a <= 23 for a in row)
+    assert anchors[1][valid[1]].tolist() == [28] and valid[1].sum() == 1
+
+
+@torch.no_grad()
+def test_inference_cache_holds_context_only(parts):
+    drafter, embed = parts
+    feats, ids = inputs(bsz=1)
+    cache = DraftCache()
+    drafter.step(feats[:, :5], embed(block_input_ids(ids, torch.tensor([[5]]), B, MASK)[:, 0]), 5, cache)
+    assert cache.length == 5  # the block's K/V were not kept
+    block = embed(block_input_ids(ids, torch.tensor([[9]]), B, MASK)[:, 0])
+    incremental = drafter.step(feats[:, 5:9], block, 9, cache)
+    assert cache.length == 9
+    one_shot = drafter.step(feats[:, :9], block, 9, DraftCache())
+    torch.testing.assert_close(incremental, one_shot, atol=TOL, rtol=TOL)
+    with pytest.raises(ValueError, match="9 \\+ 2"):
+        drafter.step(feats[:, 9:11], block, 12, cache)
+
+
+def test_training_forward_backward_and_bf16(parts):
+    drafter, embed = parts
+    feats, ids = inputs()
+    anchors = torch.tensor([[2, 9], [4, 15]])
+    out = drafter.forward_train(feats, ids, anchors, embed)
+    out.float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in drafter.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert grads["fc.weight"].abs().sum() > 0 and grads["layers.0.self_attn.k_norm.weight"].abs().sum() > 0
+    drafter.zero_grad(set_to_none=True)
+    bf16 = DFlashDrafter(drafter.config)
+    bf16.load_state_dict(drafter.state_dict())
+    bf16.to(torch.bfloat16)
+    assert bf16._rotary.inv_freq.dtype == torch.float32  # RoPE frequencies are not rounded
+    with torch.no_grad():
+        low = bf16.forward_train(feats.bfloat16(), ids, anchors, lambda x: embed(x).bfloat16())
+        high = drafter.forward_train(feats, ids, anchors, embed)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - high).abs().max() < 0.1 * high.abs().max()

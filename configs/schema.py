@@ -65,6 +65,9 @@ class MixtureConfig(Strict):
 
 
 class DataConfig(Strict):
+    # A prepared dataset (datasets.save_to_disk folder with input_ids and loss_mask) to train on as is.
+    # None: stage "general" builds the regenerated mixture, stage "finetune" reads data.trajectories.
+    dataset: str | None = None
     mixture: MixtureConfig = MixtureConfig()
     # Trajectory log files or folders (JSONL, JSONL.gz, Parquet) for stage 2.
     trajectories: list[str] = []
@@ -101,6 +104,8 @@ class TrainConfig(Strict):
     logits_chunk: int = Field(1024, ge=1)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     seed: int = 0
+    # Continue from the newest checkpoint in output_dir when there is one.
+    resume: bool = True
     save_every: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
     log_every: int = Field(10, ge=1)

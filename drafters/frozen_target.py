@@ -101,6 +101,7 @@ def _find(shard_of: dict[str, str], names: tuple[str, ...], suffix: str, folder:
 
 
 def _read(path: Path, name: str, dtype, device) -> torch.Tensor:
-    with safe_open(path, framework="pt", device=str(device or "cpu")) as f:
+    # safetensors names devices its own way ("cpu:0" is refused): read on the CPU, then move.
+    with safe_open(path, framework="pt", device="cpu") as f:
         tensor = f.get_tensor(name)
-    return tensor.to(dtype) if dtype is not None else tensor
+    return tensor.to(device=device or "cpu", dtype=dtype or tensor.dtype)

@@ -1,0 +1,128 @@
+"""The training script end to end on a tiny real target: runs, checkpoints, resumes, distributes."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+
+from drafters.checkpoint import load_drafter
+from scripts.testbed import save_tiny_target
+from train.checkpointing import list_checkpoints, read_trainer_state
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "train" / "dflash.py"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = save_tiny_target("llama", root / "target")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(16):
+        ids = torch.randint(20, 2000, (48,), generator=g).tolist()
+        rows.append({"input_ids": ids, "loss_mask": [0] * 12 + [1] * 36, "category": "code"})
+    Dataset.from_list(rows).save_to_disk(str(root / "data"))
+    Dataset.from_list([{**r, "loss_mask": [0] * 48} for r in rows]).save_to_disk(str(root / "no_mask"))
+    return root
+
+
+def _args(workspace: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--config", str(REPO / "configs" / "testbed.yaml"),
+        f"output_dir={out}", f"target.path={workspace / 'target'}", f"data.dataset={workspace / 'data'}",
+        "drafter.mask_token_id=3", "drafter.num_layers=1", "drafter.num_target_features=3",
+        "train.batch_size=2", "train.anchors_per_seq=4", "train.max_steps=6", "train.save_every=2",
+        "train.keep_last=2", "train.log_every=1", "train.precision=fp32", "logging.wandb=false", *extra,
+    ]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str], timeout=300) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return result
+
+
+def _final_weights(out: Path) -> dict:
+    return load_file(str(list_checkpoints(out)[-1] / "drafter" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference_run(workspace):
+    out = workspace / "plain"
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_train_checkpoints_and_loads(reference_run):
+    out = reference_run
+    checkpoints = list_checkpoints(out)
+    assert [p.name for p in checkpoints] == ["step-000004", "step-000006"]  # keep-last-2
+    state = read_trainer_state(checkpoints[-1])
+    assert state.step == 6 and "sim_tau" in state.metrics and state.metrics["loss"] > 0
+    drafter = load_drafter(checkpoints[-1] / "drafter")
+    assert drafter.block_size == 16 and drafter.mask_token_id == 3
+    assert not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())
+
+
+def test_sigkill_at_random_step_then_resume_matches_uninterrupted(workspace, reference_run):
+    reference = reference_run
+    out = workspace / "killed"
+    args = [sys.executable, str(TRAIN), *_args(workspace, out, "train.save_every=1", "train.keep_last=10")]
+    proc = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after = random.Random().randint(1, 4)
+    deadline = time.time() + 240
+    while len(list_checkpoints(out)) < kill_after and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = len(list_checkpoints(out))
+    assert killed_at < 6, "the run finished before it could be killed"
+    result = _run(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout + result.stderr
+    assert read_trainer_state(list_checkpoints(out)[-1]).step == 6
+    expected, resumed = _final_weights(reference), _final_weights(out)
+    assert expected.keys() == resumed.keys()
+    for name in expected:
+        assert torch.equal(expected[name], resumed[name]), name
+
+
+@pytest.mark.parametrize("accelerate_config", ["ddp.yaml", "deepspeed_zero2.yaml"])
+def test_distributed_two_processes(workspace, accelerate_config):
+    out = workspace / accelerate_config.removesuffix(".yaml")
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / "configs" / "accelerate" / accelerate_config),
+           str(TRAIN), *_args(workspace, out, "train.max_steps=2")]
+    result = _run(cmd, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    checkpoint = list_checkpoints(out)[-1]
+    assert read_trainer_state(checkpoint).step == 2
+    assert (checkpoint / "drafter" / "model.safetensors").exists()
+    load_drafter(checkpoint / "drafter")
+
+
+def test_dataset_without_loss_mask_fails_before_training(workspace):
+    out = workspace / "no_mask_run"
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, f"data.dataset={workspace / 'no_mask'}")])
+    assert result.returncode == 2
+    assert "no loss-mask tokens" in result.stderr and "no_mask" in result.stderr
+    assert not out.exists() or not list_checkpoints(out)
+
+
+def test_drafter_that_does_not_fit_the_target_is_refused(workspace):
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, workspace / "bad", "drafter.target_layer_ids=[1,9]")])
+    assert result.returncode == 2
+    assert "[9]" in result.stderr and "8" in result.stderr  # the bad id and the target's layer count

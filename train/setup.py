@@ -1,0 +1,75 @@
+"""What a training run needs before its first step: the target, the drafter config, the dataset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from datasets import Dataset, load_from_disk
+
+from configs.schema import PipelineConfig
+from drafters.draft_config import build_draft_config as _build_draft_config
+from drafters.draft_config import choose_mask_token_id
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def cache_root(config: PipelineConfig) -> Path:
+    from scripts.testbed import default_cache_dir
+
+    return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+
+
+def resolve_target(config: PipelineConfig, log=print) -> Path:
+    """The target folder; None in the config means the embedded testbed target, prepared on demand."""
+    if config.target.path is None:
+        from scripts.testbed import prepare_testbed_target
+
+        return prepare_testbed_target(cache_root(config))
+    path = Path(config.target.path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"target.path {path} is not a model folder (no config.json)")
+    return path
+
+
+def build_draft_config(config: PipelineConfig, target_path: Path, target_config):
+    """Drafter config for this target; refuses a target that does not fit (both values named)."""
+    mask_token_id = config.drafter.mask_token_id
+    if mask_token_id is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(target_path)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"drafter.mask_token_id is not set and the target at {target_path} has no tokenizer to choose one from ({err})") from None
+        mask_token_id = choose_mask_token_id(tokenizer, target_config.vocab_size)
+    return _build_draft_config(config.drafter, target_config, mask_token_id)
+
+
+def load_target_model(config: PipelineConfig, target_path: Path, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": DTYPES[config.target.dtype]}
+    if config.target.device_map is not None and device.type != "cpu":
+        kwargs["device_map"] = config.target.device_map
+    model = AutoModelForCausalLM.from_pretrained(target_path, **kwargs)
+    if "device_map" not in kwargs:
+        model.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def training_dataset(config: PipelineConfig, target_path: Path, accelerator) -> Dataset:
+    """The dataset of this stage: a prepared one, the regenerated mixture, or trajectory trees."""
+    if config.data.dataset is not None:
+        path = Path(config.data.dataset)
+        if not path.exists():
+            raise ValueError(f"data.dataset {path} does not exist")
+        return load_from_disk(str(path))
+    with accelerator.main_process_first():
+        if config.train.stage == "general":
+            from data.mixture import build_mixture
+
+            return build_mixture(config, target_path, cache_root(config))
+        from data.trajectory_dataset import build_trajectory_dataset
+
+        return build_trajectory_dataset(config, target_path, cache_root(config))

@@ -126,3 +126,17 @@ def test_drafter_that_does_not_fit_the_target_is_refused(workspace):
     result = _run([sys.executable, str(TRAIN), *_args(workspace, workspace / "bad", "drafter.target_layer_ids=[1,9]")])
     assert result.returncode == 2
     assert "[9]" in result.stderr and "8" in result.stderr  # the bad id and the target's layer count
+
+
+def test_offline_feature_cache_trains_like_online(workspace, reference_run):
+    out = workspace / "offline"
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, "features.mode=offline",
+                                                      f"cache_dir={workspace / 'cache'}")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    caches = list((workspace / "cache" / "features").iterdir())
+    assert len(caches) == 1 and (caches[0] / "index.json").exists()
+    online = read_trainer_state(list_checkpoints(reference_run)[-1]).metrics
+    offline = read_trainer_state(list_checkpoints(out)[-1]).metrics
+    assert offline["loss"] == pytest.approx(online["loss"], rel=0.02)
+    for name, tensor in _final_weights(reference_run).items():
+        assert torch.allclose(tensor.float(), _final_weights(out)[name].float(), atol=2e-2), name

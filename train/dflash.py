@@ -10,7 +10,6 @@ the newest checkpoint in its output_dir (model, optimizer, scheduler, RNG, data 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -26,14 +25,14 @@ from transformers import AutoConfig, get_cosine_with_min_lr_schedule_with_warmup
 
 from configs.schema import ConfigError, PipelineConfig, load_config
 from drafters.blocks import sample_anchors
-from drafters.capture import make_capture
 from drafters.checkpoint import load_drafter, save_drafter
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from train.batches import DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
 from train.checkpointing import TrainerState, latest_checkpoint, read_trainer_state, save_checkpoint
 from train.loss import acceptance_stats, block_loss, block_targets, default_gamma
-from train.setup import build_draft_config, load_target_model, resolve_target, training_dataset
+from train.features import feature_source
+from train.setup import build_draft_config, cache_root, resolve_target, training_dataset
 
 
 def parse_args(argv=None):
@@ -81,9 +80,8 @@ def train(config: PipelineConfig) -> Path:
     check_training_dataset(dataset, str(config.data.dataset or config.train.stage), config.data.max_seq_len)
 
     head = FrozenTargetHead.from_pretrained(target_path, dtype=torch.bfloat16, device=accelerator.device)
-    target = load_target_model(config, target_path, accelerator.device)
-    capture = make_capture(config.target.backend, target, draft_config.dflash_config["target_layer_ids"],
-                           output_device=accelerator.device)
+    features_of = feature_source(config, dataset, target_path, draft_config.dflash_config["target_layer_ids"],
+                                 accelerator, cache_root(config))
 
     if tc.init_from:
         drafter = load_drafter(Path(tc.init_from), target_config=target_config)
@@ -144,7 +142,7 @@ def train(config: PipelineConfig) -> Path:
             generator = torch.Generator().manual_seed(((tc.seed * 1_000_003 + state.epoch) * 1_000_003 + batch_idx) * 64 + rank)
             anchors, anchor_valid = sample_anchors(batch.loss_mask, tc.anchors_per_seq, generator)
             input_ids = batch.input_ids.to(accelerator.device)
-            features = capture.capture(input_ids, batch.attention_mask.to(accelerator.device), with_final=tc.loss == "kl")
+            features = features_of(batch)
             anchors, anchor_valid = anchors.to(accelerator.device), anchor_valid.to(accelerator.device)
             with accelerator.accumulate(drafter):
                 with accelerator.autocast():

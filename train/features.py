@@ -1,0 +1,72 @@
+"""Where a training batch's target features come from: the target itself, or the feature cache.
+
+online: the target runs in the training process on every batch (no disk; the target's cost every epoch).
+offline: the target runs once over the dataset into the on-disk cache (bf16 or FP8), then is freed;
+training reads the cache. Both give the same `Captured` tensors for a batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from configs.schema import PipelineConfig
+from drafters.capture import Captured, make_capture
+from train.batches import Batch
+
+
+class OnlineFeatures:
+    def __init__(self, capture, device, with_final: bool):
+        self.capture, self.device, self.with_final = capture, device, with_final
+
+    def __call__(self, batch: Batch) -> Captured:
+        return self.capture.capture(batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
+                                    with_final=self.with_final)
+
+
+class OfflineFeatures:
+    def __init__(self, reader, device, max_seq_len: int, with_final: bool):
+        self.reader, self.device, self.max_seq_len, self.with_final = reader, device, max_seq_len, with_final
+
+    def __call__(self, batch: Batch) -> Captured:
+        width = batch.input_ids.shape[1]
+        rows = [self.reader.get(i, dtype=torch.bfloat16, end=min(self.max_seq_len, self.reader.locate(i)[2]))
+                for i in batch.indices]
+        selected = torch.zeros(len(rows), width, rows[0][0].shape[-1], dtype=torch.bfloat16)
+        final = torch.zeros(len(rows), width, rows[0][1].shape[-1], dtype=torch.bfloat16) if self.with_final else None
+        for b, (sel, fin) in enumerate(rows):
+            selected[b, : len(sel)] = sel
+            if final is not None:
+                final[b, : len(fin)] = fin
+        return Captured(selected.to(self.device), final.to(self.device) if final is not None else None)
+
+
+def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: Path, layer_ids: list[int], dtype: str) -> Path:
+    key = hashlib.sha256(f"{Path(target_path).resolve()}|{layer_ids}|{dtype}|{dataset_fingerprint}".encode()).hexdigest()[:12]
+    return Path(cache_root) / "features" / f"cache-{key}"
+
+
+def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], accelerator, cache_root: Path):
+    from train.setup import load_target_model
+
+    with_final = config.train.loss == "kl"
+    if config.features.mode == "online":
+        target = load_target_model(config, target_path, accelerator.device)
+        capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)
+        return OnlineFeatures(capture, accelerator.device, with_final)
+
+    from data.feature_cache import FeatureCacheReader, dataset_fingerprint, write_feature_cache
+
+    out_dir = feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_path, layer_ids, config.features.cache_dtype)
+    with accelerator.main_process_first():
+        if accelerator.is_main_process:
+            target = load_target_model(config, target_path, accelerator.device)
+            capture = make_capture(config.target.backend, target, layer_ids)
+            accelerator.print(f"[features] offline cache ({config.features.cache_dtype}) -> {out_dir}")
+            write_feature_cache(dataset, capture, out_dir, dtype=config.features.cache_dtype,
+                                shard_tokens=config.features.shard_tokens, pad_token_id=0)
+            del capture, target
+    reader = FeatureCacheReader(out_dir, dataset)
+    return OfflineFeatures(reader, accelerator.device, config.data.max_seq_len, with_final)

@@ -23,7 +23,9 @@ def check_training_dataset(dataset: Dataset, name: str, max_seq_len: int) -> Non
     if len(dataset) == 0:
         raise DatasetError(f"dataset {name!r} is empty")
     trainable = 0
-    for row, mask in enumerate(dataset["loss_mask"]):
+    for row, (ids, mask) in enumerate(zip(dataset["input_ids"], dataset["loss_mask"])):
+        if len(ids) != len(mask):
+            raise DatasetError(f"dataset {name!r} record {row}: loss_mask has {len(mask)} entries for {len(ids)} input_ids")
         # An anchor needs two consecutive loss-mask tokens inside the training window.
         window = mask[:max_seq_len]
         if any(a and b for a, b in zip(window, window[1:])):

@@ -60,6 +60,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, state: TrainerState, sa
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "state"))
     save_drafter(tmp / "drafter")  # gathers weights on every process, writes on the main one
+    accelerator.wait_for_everyone()  # every rank's part of state/ is on disk before the rename
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
         if final.exists():

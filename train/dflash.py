@@ -75,22 +75,22 @@ def train(config: PipelineConfig) -> Path:
     # Everything that can be refused is checked before any training work.
     target_path = resolve_target(config, log)
     target_config = AutoConfig.from_pretrained(target_path)
-    draft_config = build_draft_config(config, target_path, target_config)
+    if tc.init_from:
+        # Stage 2 keeps the stage-1 drafter's architecture, target layers and mask token.
+        drafter = load_drafter(Path(tc.init_from), target_config=target_config).float()
+        draft_config = drafter.config
+        log(f"[train] init_from {tc.init_from} (weights only; its architecture replaces the drafter section)")
+    else:
+        draft_config = build_draft_config(config, target_path, target_config)
+        drafter = DFlashDrafter(draft_config)
+    existing = latest_checkpoint(output_dir)
+    if existing is not None and not tc.resume:
+        raise ValueError(f"output_dir {output_dir} already holds checkpoints (newest {existing.name}) and train.resume is false; use a new output_dir")
     dataset = training_dataset(config, target_path, accelerator)
     check_training_dataset(dataset, str(config.data.dataset or config.train.stage), config.data.max_seq_len)
 
     head = FrozenTargetHead.from_pretrained(target_path, dtype=torch.bfloat16, device=accelerator.device)
-    features_of = feature_source(config, dataset, target_path, draft_config.dflash_config["target_layer_ids"],
-                                 accelerator, cache_root(config))
-
-    if tc.init_from:
-        drafter = load_drafter(Path(tc.init_from), target_config=target_config)
-        if drafter.config.to_dict() != draft_config.to_dict():
-            log(f"[train] init_from {tc.init_from}: its architecture is used (it differs from the config's drafter section)")
-        draft_config = drafter.config
-        drafter.float()
-    else:
-        drafter = DFlashDrafter(draft_config)
+    features_of = feature_source(config, dataset, target_path, drafter.target_layer_ids, accelerator, cache_root(config))
     drafter.train()
 
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -108,7 +108,7 @@ def train(config: PipelineConfig) -> Path:
     accelerator.register_for_checkpointing(scheduler)
 
     state = TrainerState()
-    resume_from = latest_checkpoint(output_dir) if tc.resume else None
+    resume_from = existing
     if resume_from is not None:
         accelerator.load_state(str(resume_from / "state"))
         state = read_trainer_state(resume_from)
@@ -132,14 +132,14 @@ def train(config: PipelineConfig) -> Path:
     gamma = tc.gamma or default_gamma(draft_config.block_size)
     pad_id = target_config.pad_token_id if isinstance(target_config.pad_token_id, int) else 0
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
-    window = {"loss": 0.0, "correct": [], "valid": [], "tokens": 0, "start": time.perf_counter()}
+    window = _new_window()
 
     while state.step < total_steps:
         batches = shard_batches(epoch_batches(len(dataset), tc.batch_size, seed=tc.seed, epoch=state.epoch), rank, world)
         usable = len(batches) - len(batches) % tc.grad_accum
         for batch_idx in range(state.batch_in_epoch, usable):
             batch = collate(dataset, batches[batch_idx], config.data.max_seq_len, pad_id)
-            generator = torch.Generator().manual_seed(((tc.seed * 1_000_003 + state.epoch) * 1_000_003 + batch_idx) * 64 + rank)
+            generator = torch.Generator().manual_seed((((tc.seed * 1_000_003 + state.epoch) * 1_000_003 + batch_idx) * 64 + rank) % 2**63)
             anchors, anchor_valid = sample_anchors(batch.loss_mask, tc.anchors_per_seq, generator)
             input_ids = batch.input_ids.to(accelerator.device)
             features = features_of(batch)
@@ -164,10 +164,11 @@ def train(config: PipelineConfig) -> Path:
                 continue
             scheduler.step()
             state.step += 1
+            window["steps"] += 1
             progress.update(1)
             if state.step % tc.log_every == 0 or state.step == total_steps:
-                metrics = _window_metrics(window, tc.log_every, scheduler.get_last_lr()[0], world)
-                window = {"loss": 0.0, "correct": [], "valid": [], "tokens": 0, "start": time.perf_counter()}
+                metrics = _window_metrics(window, scheduler.get_last_lr()[0], world)
+                window = _new_window()
                 state.metrics = metrics
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['slot1_acc']:.2f}", tau=f"{metrics['sim_tau']:.2f}")
                 accelerator.log(metrics, step=state.step)
@@ -185,12 +186,16 @@ def train(config: PipelineConfig) -> Path:
     return final / "drafter"
 
 
-def _window_metrics(window: dict, steps: int, lr: float, world: int) -> dict:
+def _new_window() -> dict:
+    return {"loss": 0.0, "steps": 0, "correct": [], "valid": [], "tokens": 0, "start": time.perf_counter()}
+
+
+def _window_metrics(window: dict, lr: float, world: int) -> dict:
     correct, valid = torch.cat(window["correct"]), torch.cat(window["valid"])
     stats = acceptance_stats(correct, valid)
     seconds = max(time.perf_counter() - window["start"], 1e-9)
     return {
-        "loss": window["loss"] / max(steps, 1),
+        "loss": window["loss"] / max(window["steps"], 1),
         "lr": lr,
         "sim_tau": stats["sim_tau"],
         "slot1_acc": stats["slot_accuracy"][0],

@@ -7,7 +7,9 @@ training reads the cache. Both give the same `Captured` tensors for a batch.
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -60,13 +62,19 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
     from data.feature_cache import FeatureCacheReader, dataset_fingerprint, write_feature_cache
 
     out_dir = feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_path, layer_ids, config.features.cache_dtype)
+    index = out_dir / "index.json"
+    complete = index.exists() and json.loads(index.read_text()).get("complete", False)
+    # On a GPU fleet, capture the cache in a separate job before launching training: the other ranks
+    # wait here in a barrier, which times out (30 min by default) on a long capture.
     with accelerator.main_process_first():
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and not complete:
             target = load_target_model(config, target_path, accelerator.device)
             capture = make_capture(config.target.backend, target, layer_ids)
             accelerator.print(f"[features] offline cache ({config.features.cache_dtype}) -> {out_dir}")
             write_feature_cache(dataset, capture, out_dir, dtype=config.features.cache_dtype,
                                 shard_tokens=config.features.shard_tokens, pad_token_id=0)
+            capture.remove()  # the hooks reference the model: drop them so the target can be freed
             del capture, target
+            gc.collect()
     reader = FeatureCacheReader(out_dir, dataset)
     return OfflineFeatures(reader, accelerator.device, config.data.max_seq_len, with_final)

@@ -125,6 +125,38 @@ class LoggingConfig(Strict):
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
 
 
+class RetrainConfig(Strict):
+    """scripts/retrain.py: one continuous-retraining cycle per run (see scripts/RETRAIN.md)."""
+
+    # Folders (searched recursively) or files where new trajectory logs arrive.
+    incoming: list[str] = []
+    # Cycle state (state.json), history.jsonl, versions/vNNNN/ and the `current` symlink.
+    state_dir: str = "outputs/retrain"
+    # Drafter folder that is "current" before the first promotion. None: a random drafter built from the
+    # drafter section (tau 1.0; the testbed's way to start without a stage-1 run).
+    initial_drafter: str | None = None
+    # Fraction of sessions held out for the promotion gate (by a hash of the root session id).
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    # The gate evaluates on the held-out requests of this many recent cycles (this one included).
+    heldout_window: int = Field(1, ge=1)
+    # Promote iff tau(candidate) > tau(current) * (1 + promotion_margin).
+    promotion_margin: float = Field(0.02, ge=0.0)
+    # Refuse promotion when the candidate's greedy output differs from the target's (T=0).
+    require_identical_outputs: bool = True
+    export_dtypes: list[Literal["bf16", "fp8"]] = ["bf16", "fp8"]
+    # FP8 needs widths that are multiples of 128; True writes it anyway (not servable by SGLang's kernels).
+    export_allow_unaligned: bool = False
+    eval_max_prompts: int = Field(16, ge=1)
+    eval_max_new_tokens: int = Field(64, ge=1)
+    eval_max_tokens: int | None = Field(None, ge=1)
+    eval_requests_per_session: int = Field(1, ge=1)
+    eval_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Keep each cycle's training checkpoints (optimizer state) after the cycle completes.
+    keep_checkpoints: bool = False
+    # Training-data transform: permute the tokens of every training sequence (a deliberately bad candidate).
+    shuffle_training_tokens: bool = False
+
+
 class PipelineConfig(Strict):
     run_name: str = "testbed"
     output_dir: str = "outputs/testbed"
@@ -137,6 +169,7 @@ class PipelineConfig(Strict):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+    retrain: RetrainConfig = RetrainConfig()
 
 
 class ConfigError(ValueError):

@@ -77,6 +77,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.atomic_files import fsync_dir, write_json_atomic
+
 __all__ = [
     "CACHE_FORMAT",
     "CACHE_VERSION",
@@ -205,31 +207,8 @@ def tree_fingerprint(edges: Iterable[Any]) -> str:
 # Atomic files
 # ---------------------------------------------------------------------------------------------------
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.{os.getpid()}.tmp")
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = _tmp_name(path)
-    with open(tmp, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
@@ -240,7 +219,7 @@ def _save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metad
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path.stat().st_size
 
 
@@ -367,7 +346,7 @@ class _ShardSink:
         nbytes = _save_safetensors_atomic(self.out_dir / name, tensors, meta)
         self.index["shards"].append({"file": name, "first": self.first, "lengths": list(self.lengths),
                                      "tokens": int(sum(self.lengths)), "bytes": int(nbytes)})
-        _write_json_atomic(self.out_dir / INDEX_FILE, self.index)
+        write_json_atomic(self.out_dir / INDEX_FILE, self.index, compact=True)
         self.written += 1
         if self.progress:
             dt = time.perf_counter() - self.t0
@@ -411,7 +390,7 @@ def _open_or_create(out_dir: Path, header: dict, overwrite: bool) -> dict:
         if p.is_file() and p.name not in listed and (p.name.startswith("shard-") or (p.name.startswith(".") and p.name.endswith(".tmp"))):
             p.unlink()  # temp files and shards renamed but never indexed (crash between the two writes)
     if not index_path.exists() or overwrite:
-        _write_json_atomic(index_path, index)
+        write_json_atomic(index_path, index, compact=True)
     return index
 
 
@@ -528,7 +507,7 @@ def write_feature_cache(
                 sink.flush()
             if len(index["shards"]) == len(plan):
                 index["complete"] = True
-                _write_json_atomic(out / INDEX_FILE, index)
+                write_json_atomic(out / INDEX_FILE, index, compact=True)
     dt = time.perf_counter() - t0
     return CacheWriteResult(
         out_dir=str(out), kind="rows", complete=bool(index["complete"]), shards_total=len(index["shards"]),
@@ -746,7 +725,7 @@ def write_tree_feature_cache(
                 sink.flush()
                 if sink.next_segment == num_edges:
                     index["complete"] = True
-                    _write_json_atomic(out / INDEX_FILE, index)
+                    write_json_atomic(out / INDEX_FILE, index, compact=True)
     dt = time.perf_counter() - t0
     return CacheWriteResult(
         out_dir=str(out), kind="tree", complete=bool(index["complete"]), shards_total=len(index["shards"]),

@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # `python scripts/retrain.py` from the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.schema import ConfigError, PipelineConfig, load_config  # noqa: E402
+from data.atomic_files import fsync_dir, write_json_atomic  # noqa: E402
 
 STATE_FORMAT = 1
 SESSION_ROOT_TTL_CYCLES = 168  # remembered sub-agent -> root session links expire after this many cycles
@@ -78,40 +79,6 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Temp file in the same folder, fsync, os.replace: readers see the old or the new file, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
 
 
 def append_jsonl(path: Path, record: dict) -> None:
@@ -145,7 +112,7 @@ def swap_symlink(link: Path, target: str) -> None:
         pass
     os.symlink(target, tmp)
     os.replace(tmp, link)
-    _fsync_dir(link.parent)
+    fsync_dir(link.parent)
 
 
 def make_readable(root: Path) -> None:
@@ -212,7 +179,7 @@ def load_state(sd: StateDir) -> dict:
 
 def save_state(sd: StateDir, state: dict) -> None:
     state["updated"] = now_iso()
-    atomic_write_json(sd.state, state)
+    write_json_atomic(sd.state, state)
 
 
 class Lock:
@@ -437,7 +404,7 @@ def bootstrap(config: PipelineConfig, sd: StateDir, state: dict, target_path: Pa
                           {"target": str(target_path), "data": f"initial drafter ({source})"})
     info = {"version": version, "cycle": 0, "created": now_iso(), "source": source, "parent": None,
             "drafter": str(vdir / "drafter"), "exports": exports, "tau": None}
-    atomic_write_json(vdir / "version.json", info)
+    write_json_atomic(vdir / "version.json", info)
     record = {"id": "bootstrap-v0000", "event": "bootstrap", "time": now_iso(), "version": version,
               "source": source}
     state["versions"][version] = {k: info[k] for k in ("cycle", "created", "source", "parent", "tau")}
@@ -624,7 +591,7 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
         reader = TrajectoryReader(to_read, vocab_size, quarantine_path=quarantine)
         records = list(reader)
         summary = reader.summary.check()
-        atomic_write_json(cdir / "ingest_summary.json", summary.to_dict())
+        write_json_atomic(cdir / "ingest_summary.json", summary.to_dict())
     per_file = []
     for f in files:
         counts = summary.files.get(f["path"]) if summary is not None else None
@@ -659,7 +626,7 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
         record["finished"] = now_iso()
         phase["total"] = time.time() - started
         record["seconds"] = {k: round(v, 3) for k, v in phase.items()}
-        atomic_write_json(cdir / "cycle.json", record)
+        write_json_atomic(cdir / "cycle.json", record)
         _commit(config, sd, state, record, files, consume=consume, roots=roots, version=version, log=log)
         log(_summary_line(record))
         return record
@@ -766,7 +733,7 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
         last = latest_checkpoint(tcfg.output_dir)
         done = {"drafter": str(drafter_dir), "step": read_trainer_state(last).step,
                 "metrics": read_trainer_state(last).metrics, "init_from": str(current_drafter)}
-        atomic_write_json(done_marker, done)
+        write_json_atomic(done_marker, done)
     candidate = Path(done["drafter"])
     record["train"] = {"init_from": done["init_from"], "steps": done["step"], "final_metrics": done["metrics"],
                        "output_dir": str(cdir / "train")}
@@ -831,7 +798,7 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
     info = {"version": version, "cycle": cycle, "created": now_iso(), "source": f"retrain cycle {cycle}",
             "parent": current_version, "drafter": str(vdir / "drafter"), "exports": exports, "tau": tau_cand,
             "tau_parent": tau_cur, "heldout_files": window}
-    atomic_write_json(vdir / "version.json", info)
+    write_json_atomic(vdir / "version.json", info)
     phase["export"] = time.time() - t0
     record["promoted"], record["promoted_version"] = True, version
     record["exports"] = exports

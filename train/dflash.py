@@ -15,11 +15,12 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, get_cosine_with_min_lr_schedule_with_warmup
 
@@ -66,6 +67,9 @@ def train(config: PipelineConfig) -> Path:
         gradient_accumulation_steps=config.train.grad_accum,
         step_scheduler_with_optimizer=False,
         log_with="wandb" if config.logging.wandb else None,
+        # Rank 0 may regenerate the mixture or capture the feature cache while the others wait in a
+        # barrier; the default 30-minute collective timeout would kill such a first run.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=12))],
     )
     tc = config.train
     set_seed(tc.seed, deterministic=not torch.cuda.is_available())

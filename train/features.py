@@ -64,8 +64,8 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
     out_dir = feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_path, layer_ids, config.features.cache_dtype)
     index = out_dir / "index.json"
     complete = index.exists() and json.loads(index.read_text()).get("complete", False)
-    # On a GPU fleet, capture the cache in a separate job before launching training: the other ranks
-    # wait here in a barrier, which times out (30 min by default) on a long capture.
+    # The other ranks wait in a barrier meanwhile (train/dflash.py raises its timeout to 12 h); on a GPU
+    # fleet, capturing the cache in a separate job first uses every GPU instead of one.
     with accelerator.main_process_first():
         if accelerator.is_main_process and not complete:
             target = load_target_model(config, target_path, accelerator.device)

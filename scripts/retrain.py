@@ -211,12 +211,19 @@ class Lock:
             self.fd = None
 
 
-def repair(sd: StateDir, state: dict, log) -> None:
-    """Finish what a killed run left between its commit steps (idempotent).
+def commit(sd: StateDir, state: dict) -> None:
+    """Save the state file (the truth), then make the ``current`` symlink and history.jsonl follow it."""
+    save_state(sd, state)
+    repair(sd, state)
 
-    The state file is the truth: the ``current`` symlink is made to point at ``state['promoted']`` and
-    the last committed record is appended to history.jsonl if the run died before appending it.
+
+def repair(sd: StateDir, state: dict, log=None) -> None:
+    """Make the ``current`` symlink and history.jsonl follow the state file (idempotent).
+
+    After a commit this points ``current`` at ``state['promoted']`` and appends the last committed record;
+    at start-up it finishes what a run killed between those steps left undone (and says so via log).
     """
+    log = log or (lambda message: None)
     for stale in sd.root.glob(f".{sd.current.name}.tmp-*"):
         stale.unlink(missing_ok=True)
     promoted = state.get("promoted")
@@ -410,9 +417,7 @@ def bootstrap(config: PipelineConfig, sd: StateDir, state: dict, target_path: Pa
     state["versions"][version] = {k: info[k] for k in ("cycle", "created", "source", "parent", "tau")}
     state["promoted"] = version
     state["last_record"] = record
-    save_state(sd, state)
-    swap_symlink(sd.current, os.path.join(sd.versions.name, version))
-    append_jsonl(sd.history, record)
+    commit(sd, state)
     log(f"[retrain] bootstrap: {version} = {source}; {sd.current} -> {version}")
 
 
@@ -487,10 +492,7 @@ def _commit(config: PipelineConfig, sd: StateDir, state: dict, record: dict, fil
     state["cycles"].append({k: record.get(k) for k in ("cycle", "status", "finished", "current_version",
                                                           "promoted_version", "tau_current", "tau_candidate")})
     state["last_record"] = record
-    save_state(sd, state)
-    if version is not None:
-        swap_symlink(sd.current, os.path.join(sd.versions.name, version[0]))
-    append_jsonl(sd.history, record)
+    commit(sd, state)
     log("[retrain] metrics " + json.dumps({k: v for k, v in record.items() if k not in ("files", "exports")},
                                           default=str, separators=(",", ":")))
     try:
@@ -850,9 +852,7 @@ def rollback(config: PipelineConfig, version: str, log=print) -> dict:
                   "from_version": previous, "to_version": version}
         state["promoted"] = version
         state["last_record"] = record
-        save_state(sd, state)
-        swap_symlink(sd.current, os.path.join(sd.versions.name, version))
-        append_jsonl(sd.history, record)
+        commit(sd, state)
         log(f"[retrain] rollback: {sd.current} -> {version} (was {previous}); the next cycle fine-tunes {version}")
         return record
 

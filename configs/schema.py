@@ -54,6 +54,9 @@ class MixtureConfig(Strict):
     max_new_tokens: int = Field(192, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     generation_batch_size: int = Field(32, ge=1)
+    # Code prompts answered by restating their code instead of by decoding (data/mixture.py): cheap
+    # copy-from-context data, trained along the target's greedy path (needs train.anchor_scope: sequence).
+    prefilled_samples: int = Field(0, ge=0)
     # Fraction of documents (by file / play / question) held out from training, for eval.
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
 
@@ -96,10 +99,16 @@ class TrainConfig(Strict):
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    # Where anchors and labels may sit: the dataset's loss mask (the target's own responses), or every
+    # real token of the sequence (prompts too), supervised only along the target's greedy path.
+    anchor_scope: Literal["loss_mask", "sequence"] = "loss_mask"
     loss: Literal["kl", "ce"] = "kl"
     kl_temperature: float = Field(1.0, gt=0)
     # Slot weights exp(-(k-1)/gamma); None picks the paper's value for the block size (7 for 16).
     gamma: float | None = None
+    # Keep slot k with probability w_k instead of weighting it: the same loss in expectation for fewer
+    # vocabulary projections (44% of them at gamma 7, block 16); train/loss.py block_loss.
+    sample_slots: bool = False
     # Anchor-slot rows per vocabulary projection chunk: bounds the live logits to chunk x vocab.
     logits_chunk: int = Field(1024, ge=1)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -170,6 +179,14 @@ class PipelineConfig(Strict):
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     retrain: RetrainConfig = RetrainConfig()
+
+    @model_validator(mode="after")
+    def _prefilled_needs_greedy_path(self) -> "PipelineConfig":
+        builds_mixture = self.train.stage == "general" and self.data.dataset is None
+        if builds_mixture and self.data.mixture.prefilled_samples and self.train.anchor_scope != "sequence":
+            raise ValueError("data.mixture.prefilled_samples > 0 needs train.anchor_scope: sequence (prefilled "
+                             "responses are not the target's text and train only along its greedy path)")
+        return self
 
 
 class ConfigError(ValueError):

@@ -2,6 +2,11 @@
 
 The regenerated dataset is cached under <cache>/datasets/mixture-<key>, where the key covers the
 mixture settings, the seed and the target's identity; an interrupted build resumes where it stopped.
+
+Prefilled samples (data.mixture.prefilled_samples) cost no decoding: a code prompt whose assistant turn
+restates the prompt's code. The target did not write that text, so it trains only along the target's
+greedy path (train.anchor_scope: sequence), which on restated code is most of it: the drafter learns
+to copy from the context, what coding agents do all day.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import json
 from itertools import islice
 from pathlib import Path
 
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 
 from configs.schema import PipelineConfig
 
@@ -44,9 +49,33 @@ def mixture_prompts(config: PipelineConfig, split: str = "train") -> list:
     return prompts
 
 
+def _fenced_code(prompt) -> str:
+    content = prompt.messages[-1]["content"]
+    return content[content.index("```python\n"):content.rindex("```") + 3]
+
+
+def prefilled_rows(config: PipelineConfig, tokenizer) -> list[dict]:
+    """Code prompts (train split, excerpts drawn apart from the regenerated ones) answered by restating
+    their code; rows shaped like the regenerated dataset's, with num_generated 0 (the target wrote none)."""
+    from data.chat_masks import build_from_generation, encode, prompt_ids
+    from data.sources import iter_prompts
+
+    mixture = config.data.mixture
+    stream = iter_prompts("code", "train", seed=config.data.seed + 1, max_chars=mixture.max_prompt_tokens * CHARS_PER_TOKEN,
+                          heldout_fraction=mixture.heldout_fraction, passes=None)
+    rows = []
+    for prompt in islice(stream, mixture.prefilled_samples):
+        ids = prompt_ids(tokenizer, prompt.messages)
+        seq = build_from_generation(ids, encode(tokenizer, _fenced_code(prompt)) + [tokenizer.eos_token_id])
+        rows.append({"prompt_id": f"prefilled:{prompt.id}", "category": prompt.category, "source": prompt.source,
+                     "input_ids": seq.input_ids, "loss_mask": seq.loss_mask, "finished": True,
+                     "num_generated": 0, "num_prompt_tokens": len(ids)})
+    return rows
+
+
 def mixture_key(config: PipelineConfig, target_path: Path) -> str:
     target_config = (Path(target_path) / "config.json").read_bytes()
-    settings = {"mixture": config.data.mixture.model_dump(mode="json"), "seed": config.data.seed,
+    settings = {"mixture": config.data.mixture.model_dump(mode="json", exclude={"prefilled_samples"}), "seed": config.data.seed,
                 "target": str(Path(target_path).resolve()), "target_config": hashlib.sha256(target_config).hexdigest()}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -58,8 +87,15 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path) -
     out_dir = Path(cache_root) / "datasets" / f"mixture-{mixture_key(config, target_path)}"
     prompts = mixture_prompts(config)
     print(f"[data] general mixture: {len(prompts)} prompts -> {out_dir}", flush=True)
-    return regenerate(
+    regenerated = regenerate(
         prompts, target_path, out_dir, batch_size=mixture.generation_batch_size, max_new_tokens=mixture.max_new_tokens,
         temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
         dtype=config.target.dtype,
     )
+    if not mixture.prefilled_samples:
+        return regenerated
+    from data.chat_masks import load_tokenizer
+
+    rows = prefilled_rows(config, load_tokenizer(target_path))
+    print(f"[data] prefilled code samples: {len(rows)} ({sum(len(r['input_ids']) for r in rows)} tokens, no decoding)", flush=True)
+    return concatenate_datasets([regenerated, Dataset.from_list(rows, features=regenerated.features)])

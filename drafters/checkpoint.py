@@ -60,6 +60,22 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     return out_dir
 
 
+def find_drafter_folder(path: str | Path) -> Path:
+    """The reference-format folder behind a path: the folder itself (config.json), a training checkpoint
+    (its drafter/), or a training output_dir (its newest checkpoints/step-*/drafter)."""
+    from train.checkpointing import latest_checkpoint
+
+    path = Path(path)
+    if (path / CONFIG_NAME).is_file():
+        return path
+    if (path / "drafter" / CONFIG_NAME).is_file():
+        return path / "drafter"
+    if (path / "checkpoints").is_dir() and latest_checkpoint(path) is not None:
+        return latest_checkpoint(path) / "drafter"
+    raise FileNotFoundError(f"{path} is not a drafter folder (no {CONFIG_NAME}), a training checkpoint "
+                            f"(no drafter/{CONFIG_NAME}) or a training output_dir (no checkpoints/step-*)")
+
+
 def load_draft_config(path: str | Path) -> Qwen3Config:
     return Qwen3Config.from_dict(json.loads((Path(path) / CONFIG_NAME).read_text()))
 

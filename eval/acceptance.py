@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from drafters.checkpoint import find_drafter_folder, load_drafter
 from eval.prompt_lookup import Decoded, lookup_generate, target_generate
 from eval.traces import CATEGORIES, TraceError, TraceSet, agentic_traces, heldout_traces
 
@@ -86,20 +87,13 @@ def parse_drafter_arg(arg: str) -> tuple[str, str]:
 
 
 def resolve_drafter(arg: str) -> DrafterSpec:
-    from train.checkpointing import latest_checkpoint
-
     name, given = parse_drafter_arg(arg)
     path = Path(given)
-    kind = None
-    if (path / "config.json").is_file():
-        folder, kind = path, "reference"
-    elif (path / "drafter" / "config.json").is_file():
-        folder, kind = path / "drafter", "checkpoint"
-    elif (path / "checkpoints").is_dir() and latest_checkpoint(path) is not None:
-        folder, kind = latest_checkpoint(path) / "drafter", "checkpoint"
-    else:
-        raise EvalError(f"drafter {name!r}: {path} is not a drafter folder (no config.json), a training checkpoint "
-                        f"(no drafter/config.json) or a training output_dir (no checkpoints/step-*)")
+    try:
+        folder = find_drafter_folder(path)
+    except FileNotFoundError as err:
+        raise EvalError(f"drafter {name!r}: {err}") from None
+    kind = "reference" if folder == path else "checkpoint"
     if not (folder / "model.safetensors").is_file():
         raise EvalError(f"drafter {name!r}: {folder} has config.json but no model.safetensors")
     config = json.loads((folder / "config.json").read_text())
@@ -130,7 +124,6 @@ def check_fit(spec: DrafterSpec, target_config, target_name: str) -> None:
 
 
 def load_spec(spec: DrafterSpec, dtype: torch.dtype, target_config):
-    from drafters.checkpoint import load_drafter
     from drafters.fp8 import load_fp8_drafter
 
     if spec.kind == "fp8":

@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from train.loss import acceptance_stats, block_loss, block_targets, default_gamma, slot_weights
+from train.loss import acceptance_stats, block_loss, block_targets, default_gamma, greedy_path, slot_weights
 
 
 def _setup(seed=0, bsz=2, seq=40, n=5, block=8, hidden=16, vocab=97):
@@ -70,3 +70,68 @@ def test_simulated_acceptance_counts_leading_correct_slots():
     stats = acceptance_stats(correct, valid)
     assert stats["sim_tau"] == 1.0 + (2 + 0) / 2
     assert stats["slot_accuracy"] == [0.5, 1.0, 0.5, 1.0]
+
+
+def test_greedy_path_marks_tokens_equal_to_the_targets_argmax():
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 9, 16, generator=g)
+    head = torch.randn(50, 16, generator=g)
+    greedy = (hidden @ head.T).argmax(-1)  # the target's choice for the next token
+    input_ids = torch.randint(0, 50, (2, 9), generator=g)
+    input_ids[:, 1:5] = greedy[:, 0:4]  # tokens 1..4 follow the target, the rest are random
+    input_ids[:, 5] = (greedy[:, 4] + 1) % 50  # token 5 is off the path
+    on_path = greedy_path(input_ids, hidden, head, chunk_rows=5)
+    assert not on_path[:, 0].any()
+    assert on_path[:, 1:5].all() and not on_path[:, 5].any()
+    assert torch.equal(on_path[:, 6:], input_ids[:, 6:] == greedy[:, 5:8])
+
+
+def test_slots_after_an_off_greedy_token_are_not_supervised():
+    # Text the target did not write: slot k is supervised only while tokens a+1 .. a+k-1 are on the
+    # target's greedy path; slot 1 always is (its label is the target's distribution after the anchor).
+    seq, block = 20, 6
+    anchors, anchor_valid = torch.tensor([[2, 10]]), torch.ones(1, 2, dtype=torch.bool)
+    everywhere = torch.ones(1, seq, dtype=torch.bool)
+    on_path = torch.ones(1, seq, dtype=torch.bool)
+    on_path[0, 5] = False  # token 5 is not what the target would have written
+    t = block_targets(anchors, anchor_valid, everywhere, block, on_path)
+    # block at 2: slots 1..3 (tokens 3, 4, 5) are supervised; slot 4 (token 6) follows the off-path token 5
+    assert t.valid[0, 0].tolist() == [True, True, True, False, False]
+    assert t.valid[0, 1].all()  # block at 10 never crosses token 5
+    assert torch.equal(block_targets(anchors, anchor_valid, everywhere, block).valid[0, 0], torch.ones(5, dtype=torch.bool))
+
+
+def test_sampled_slots_keep_a_prefix_and_match_the_weighted_loss_in_expectation():
+    input_ids, loss_mask, anchors, anchor_valid, draft, target, head = _setup(n=6)
+    t = block_targets(anchors, anchor_valid, loss_mask, 8)
+    gamma = 2.0
+    full = block_loss(draft, t, target, input_ids, head, gamma=gamma)
+    (full_grad,) = torch.autograd.grad(full.loss, draft)
+    g = torch.Generator().manual_seed(0)
+    draws = 3000
+    mean_loss, mean_grad, kept_rows = 0.0, torch.zeros_like(draft), 0
+    for _ in range(draws):
+        out = block_loss(draft, t, target, input_ids, head, gamma=gamma, sample_slots=g)
+        kept = out.slot_valid
+        # a prefix of each block's supervised slots
+        assert torch.equal(kept, kept & torch.cumprod(kept.long(), -1).bool())
+        (grad,) = torch.autograd.grad(out.loss, draft)
+        mean_loss += out.loss.item() / draws
+        mean_grad += grad / draws
+        kept_rows += int(kept.sum())
+    assert abs(mean_loss - full.loss.item()) < 0.02 * full.loss.item()
+    assert torch.allclose(mean_grad, full_grad, atol=0.1 * full_grad.abs().max().item())
+    expected_rows = (slot_weights(8, gamma) * t.valid).sum().item()
+    assert abs(kept_rows / draws - expected_rows) < 0.05 * expected_rows
+    # per-slot accuracy and the simulated tau stay unbiased with the keep probabilities: a draft that
+    # is the target's own hidden state plus noise, right about half the time
+    b = torch.arange(draft.shape[0])[:, None, None]
+    draft = target[b, t.positions - 1] + 0.4 * torch.randn(t.positions.shape + (target.shape[-1],), generator=g)
+    draft = torch.cat([draft[:, :, :1], draft], dim=2)  # slot 0 (unused) in front
+    full = block_loss(draft, t, target, input_ids, head, gamma=gamma)
+    stats_full = acceptance_stats(full.slot_correct, full.slot_valid)
+    assert 1.5 < stats_full["sim_tau"] < 4
+    both = [block_loss(draft, t, target, input_ids, head, gamma=gamma, sample_slots=g) for _ in range(400)]
+    stats = acceptance_stats(torch.cat([o.slot_correct for o in both]), torch.cat([o.slot_valid for o in both]),
+                             keep_prob=slot_weights(8, gamma))
+    assert abs(stats["sim_tau"] - stats_full["sim_tau"]) < 0.05

@@ -140,3 +140,48 @@ def test_offline_feature_cache_trains_like_online(workspace, reference_run):
     assert offline["loss"] == pytest.approx(online["loss"], rel=0.02)
     for name, tensor in _final_weights(reference_run).items():
         assert torch.allclose(tensor.float(), _final_weights(out)[name].float(), atol=2e-2), name
+
+
+def test_loss_mask_anchors_with_weighted_slots_train_deterministically(workspace):
+    # The testbed config (so every other run here) anchors anywhere along the target's greedy path and
+    # samples slots; this is the paper's plain recipe: anchors in the loss mask, every slot weighted.
+    extra = ("train.anchor_scope=loss_mask", "train.sample_slots=false", "train.max_steps=3")
+    runs = [workspace / "plain-a", workspace / "plain-b"]
+    for out in runs:
+        result = _run([sys.executable, str(TRAIN), *_args(workspace, out, *extra)])
+        assert result.returncode == 0, result.stderr[-3000:]
+    state = read_trainer_state(list_checkpoints(runs[0])[-1])
+    assert state.step == 3 and state.metrics["sim_tau"] >= 1.0 and state.metrics["loss"] > 0
+    a, b = _final_weights(runs[0]), _final_weights(runs[1])
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_run):
+    from data.trajectories import write_trajectories
+
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(20, 2000, (24,), generator=g).tolist()
+    records = []
+    for s in range(4):
+        context = system + torch.randint(20, 2000, (8,), generator=g).tolist()
+        for turn in range(3):
+            output = torch.randint(20, 2000, (10,), generator=g).tolist()
+            records.append({"session_id": f"s{s}", "request_id": f"s{s}-r{turn}", "input_ids": list(context),
+                            "output_ids": output, "timestamp": 1_700_000_000.0 + turn})
+            context += output + torch.randint(20, 2000, (5,), generator=g).tolist()
+    log = workspace / "logs" / "traffic.jsonl"
+    log.parent.mkdir(exist_ok=True)
+    write_trajectories(records, log)
+    out = workspace / "stage2"
+    result = _run([sys.executable, str(TRAIN), "--config", str(REPO / "configs" / "testbed-finetune.yaml"),
+                   f"output_dir={out}", f"target.path={workspace / 'target'}", f"data.trajectories=[{log}]",
+                   f"train.init_from={reference_run}", f"cache_dir={workspace / 'cache'}", "train.max_steps=2",
+                   "train.batch_size=2", "train.anchors_per_seq=4", "train.precision=fp32", "logging.wandb=false"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"init_from {reference_run}" in result.stdout + result.stderr
+    stage1 = load_drafter(list_checkpoints(reference_run)[-1] / "drafter")
+    stage2 = load_drafter(list_checkpoints(out)[-1] / "drafter")
+    # the stage-1 architecture, target layers and mask token carry over (the YAML's drafter section is unused)
+    assert stage2.config.num_hidden_layers == 1 and stage2.target_layer_ids == stage1.target_layer_ids
+    assert stage2.mask_token_id == 3
+    assert (out / "trajectory_summary.json").exists()

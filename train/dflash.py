@@ -26,13 +26,13 @@ from transformers import AutoConfig, get_cosine_with_min_lr_schedule_with_warmup
 
 from configs.schema import ConfigError, PipelineConfig, load_config
 from drafters.blocks import sample_anchors
-from drafters.checkpoint import load_drafter, save_drafter
+from drafters.checkpoint import find_drafter_folder, load_drafter, save_drafter
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from train.batches import DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
 from train.checkpointing import TrainerState, latest_checkpoint, read_trainer_state, save_checkpoint
-from train.loss import acceptance_stats, block_loss, block_targets, default_gamma
-from train.features import feature_source
+from train.loss import acceptance_stats, block_loss, block_targets, default_gamma, slot_weights
+from train.features import GreedyPaths, feature_source
 from train.setup import build_draft_config, cache_root, resolve_target, training_dataset
 
 
@@ -81,7 +81,7 @@ def train(config: PipelineConfig) -> Path:
     target_config = AutoConfig.from_pretrained(target_path)
     if tc.init_from:
         # Stage 2 keeps the stage-1 drafter's architecture, target layers and mask token.
-        drafter = load_drafter(Path(tc.init_from), target_config=target_config).float()
+        drafter = load_drafter(find_drafter_folder(tc.init_from), target_config=target_config).float()
         draft_config = drafter.config
         log(f"[train] init_from {tc.init_from} (weights only; its architecture replaces the drafter section)")
     else:
@@ -134,6 +134,8 @@ def train(config: PipelineConfig) -> Path:
             save_drafter(copy, path, dtype=torch.bfloat16)
 
     gamma = tc.gamma or default_gamma(draft_config.block_size)
+    keep_prob = slot_weights(draft_config.block_size, gamma) if tc.sample_slots else None
+    greedy_paths = GreedyPaths(head.lm_head.weight, tc.logits_chunk) if tc.anchor_scope == "sequence" else None
     pad_id = target_config.pad_token_id if isinstance(target_config.pad_token_id, int) else 0
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     window = _new_window()
@@ -144,16 +146,19 @@ def train(config: PipelineConfig) -> Path:
         for batch_idx in range(state.batch_in_epoch, usable):
             batch = collate(dataset, batches[batch_idx], config.data.max_seq_len, pad_id)
             generator = torch.Generator().manual_seed((((tc.seed * 1_000_003 + state.epoch) * 1_000_003 + batch_idx) * 64 + rank) % 2**63)
-            anchors, anchor_valid = sample_anchors(batch.loss_mask, tc.anchors_per_seq, generator)
+            supervised = batch.loss_mask if tc.anchor_scope == "loss_mask" else batch.attention_mask.bool()
+            anchors, anchor_valid = sample_anchors(supervised, tc.anchors_per_seq, generator)
             input_ids = batch.input_ids.to(accelerator.device)
             features = features_of(batch)
             anchors, anchor_valid = anchors.to(accelerator.device), anchor_valid.to(accelerator.device)
+            on_path = greedy_paths(batch, input_ids, features) if greedy_paths else None
             with accelerator.accumulate(drafter):
                 with accelerator.autocast():
                     hidden = drafter(features.selected, input_ids, anchors, head.embed)
-                targets = block_targets(anchors, anchor_valid, batch.loss_mask.to(accelerator.device), draft_config.block_size)
+                targets = block_targets(anchors, anchor_valid, supervised.to(accelerator.device), draft_config.block_size, on_path)
                 out = block_loss(hidden.float(), targets, features.final_hidden, input_ids, head.lm_head.weight,
-                                 gamma=gamma, kind=tc.loss, temperature=tc.kl_temperature, chunk_rows=tc.logits_chunk)
+                                 gamma=gamma, kind=tc.loss, temperature=tc.kl_temperature, chunk_rows=tc.logits_chunk,
+                                 sample_slots=generator if tc.sample_slots else None)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
@@ -171,7 +176,7 @@ def train(config: PipelineConfig) -> Path:
             window["steps"] += 1
             progress.update(1)
             if state.step % tc.log_every == 0 or state.step == total_steps:
-                metrics = _window_metrics(window, scheduler.get_last_lr()[0], world)
+                metrics = _window_metrics(window, scheduler.get_last_lr()[0], world, keep_prob)
                 window = _new_window()
                 state.metrics = metrics
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['slot1_acc']:.2f}", tau=f"{metrics['sim_tau']:.2f}")
@@ -194,9 +199,9 @@ def _new_window() -> dict:
     return {"loss": 0.0, "steps": 0, "correct": [], "valid": [], "tokens": 0, "start": time.perf_counter()}
 
 
-def _window_metrics(window: dict, lr: float, world: int) -> dict:
+def _window_metrics(window: dict, lr: float, world: int, keep_prob: torch.Tensor | None) -> dict:
     correct, valid = torch.cat(window["correct"]), torch.cat(window["valid"])
-    stats = acceptance_stats(correct, valid)
+    stats = acceptance_stats(correct, valid, keep_prob)
     seconds = max(time.perf_counter() - window["start"], 1e-9)
     return {
         "loss": window["loss"] / max(window["steps"], 1),
@@ -213,7 +218,7 @@ def main(argv=None) -> None:
     try:
         config = load_config(args.config, args.overrides)
         train(config)
-    except (ConfigError, DatasetError, ValueError) as err:
+    except (ConfigError, DatasetError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 

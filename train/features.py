@@ -53,7 +53,7 @@ def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: P
 def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], accelerator, cache_root: Path):
     from train.setup import load_target_model
 
-    with_final = config.train.loss == "kl"
+    with_final = config.train.loss == "kl" or config.train.anchor_scope == "sequence"
     if config.features.mode == "online":
         target = load_target_model(config, target_path, accelerator.device)
         capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)
@@ -78,3 +78,33 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
             gc.collect()
     reader = FeatureCacheReader(out_dir, dataset)
     return OfflineFeatures(reader, accelerator.device, config.data.max_seq_len, with_final)
+
+
+class GreedyPaths:
+    """Per dataset row, which tokens are the target's greedy choices (train.loss.greedy_path).
+
+    Computed from the batch's final hidden states the first time a row is seen and kept (one bool per
+    token): later epochs skip that vocabulary projection. Each row is computed alone, unpadded, so the
+    result does not depend on which batch first saw it (a resumed run gets the same bits).
+    """
+
+    def __init__(self, lm_head_weight: torch.Tensor, chunk_rows: int):
+        self.lm_head_weight, self.chunk_rows = lm_head_weight, chunk_rows
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def __call__(self, batch: Batch, input_ids: torch.Tensor, captured: Captured) -> torch.Tensor:
+        from train.loss import greedy_path
+
+        lengths = batch.attention_mask.sum(1).tolist()
+        for b, i in enumerate(batch.indices):
+            if i not in self.rows:
+                n = int(lengths[b])
+                on_path = greedy_path(input_ids[b : b + 1, :n], captured.final_hidden[b : b + 1, :n],
+                                      self.lm_head_weight, self.chunk_rows)
+                self.rows[i] = on_path[0].cpu()
+        out = torch.zeros_like(input_ids, dtype=torch.bool)
+        for b, i in enumerate(batch.indices):
+            row = self.rows[i]
+            out[b, : len(row)] = row.to(out.device)
+        return out
+

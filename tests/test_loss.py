@@ -1,7 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from train.loss import acceptance_stats, block_loss, block_targets, default_gamma, greedy_path, slot_weights
+from train.loss import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
+                        most_frequent_tokens, slot_weights, target_choices)
 
 
 def _setup(seed=0, bsz=2, seq=40, n=5, block=8, hidden=16, vocab=97):
@@ -80,7 +81,9 @@ def test_greedy_path_marks_tokens_equal_to_the_targets_argmax():
     input_ids = torch.randint(0, 50, (2, 9), generator=g)
     input_ids[:, 1:5] = greedy[:, 0:4]  # tokens 1..4 follow the target, the rest are random
     input_ids[:, 5] = (greedy[:, 4] + 1) % 50  # token 5 is off the path
-    on_path = greedy_path(input_ids, hidden, head, chunk_rows=5)
+    choices = target_choices(hidden, head, chunk_rows=5)
+    assert torch.equal(choices, greedy)
+    on_path = greedy_path(input_ids, choices)
     assert not on_path[:, 0].any()
     assert on_path[:, 1:5].all() and not on_path[:, 5].any()
     assert torch.equal(on_path[:, 6:], input_ids[:, 6:] == greedy[:, 5:8])
@@ -135,3 +138,50 @@ def test_sampled_slots_keep_a_prefix_and_match_the_weighted_loss_in_expectation(
     stats = acceptance_stats(torch.cat([o.slot_correct for o in both]), torch.cat([o.slot_valid for o in both]),
                              keep_prob=slot_weights(8, gamma))
     assert abs(stats["sim_tau"] - stats_full["sim_tau"]) < 0.05
+
+
+def test_ce_target_trains_toward_the_targets_greedy_token_not_the_data_token():
+    input_ids, loss_mask, anchors, anchor_valid, draft, target, head = _setup()
+    t = block_targets(anchors, anchor_valid, loss_mask, 8)
+    choices = target_choices(target, head)
+    out = block_loss(draft, t, target, input_ids, head, gamma=7.0, kind="ce_target", choices=choices)
+    b, n, k = t.valid.nonzero(as_tuple=True)
+    pos = t.positions[b, n, k]
+    logp = F.log_softmax(draft[b, n, k + 1] @ head.T, -1)
+    nll = -logp.gather(-1, choices[b, pos - 1][:, None])[:, 0]
+    w = slot_weights(8, 7.0)[k]
+    assert torch.allclose(out.loss, (nll * w).sum() / w.sum(), atol=1e-5)
+    # the data tokens give a different loss: the labels really are the target's choices
+    data = block_loss(draft, t, target, input_ids, head, gamma=7.0, kind="ce")
+    assert not torch.allclose(out.loss, data.loss)
+
+
+def test_a_reduced_head_is_the_full_softmax_over_its_rows_and_misses_labels_outside_it():
+    input_ids, loss_mask, anchors, anchor_valid, draft, target, head = _setup()
+    t = block_targets(anchors, anchor_valid, loss_mask, 8)
+    b, n, k = t.valid.nonzero(as_tuple=True)
+    labels = input_ids[b, t.positions[b, n, k]]
+    inside = torch.unique(labels)[: max(2, len(torch.unique(labels)) // 2)]
+    rows = torch.cat([inside, torch.tensor([head.shape[0] - 1])])
+    reduced = HeadVocabulary(head, rows)
+    draft = draft.detach().requires_grad_(True)
+    out = block_loss(draft, t, target, input_ids, reduced, gamma=7.0, kind="ce")
+    keep = torch.isin(labels, inside)
+    sub = torch.unique(rows)
+    logp = F.log_softmax(draft[b, n, k + 1] @ head[sub].T, -1)
+    local = torch.searchsorted(sub, labels.clamp(max=int(sub[-1])))
+    nll = -logp.gather(-1, local[:, None])[:, 0]
+    w = slot_weights(8, 7.0)[k]
+    expected = (nll * w * keep).sum() / w.sum()
+    assert torch.allclose(out.loss, expected, atol=1e-5)
+    # a label outside the head is a miss and carries no gradient
+    assert not out.slot_correct[b[~keep], n[~keep], k[~keep]].any()
+    (grad,) = torch.autograd.grad(out.loss, draft)
+    (ref,) = torch.autograd.grad(expected, draft)
+    assert torch.allclose(grad, ref, atol=1e-5)
+
+
+def test_most_frequent_tokens_ranks_by_count():
+    ids = most_frequent_tokens([[5, 5, 5, 2, 2, 9], [2, 5, 7]], 2, vocab_size=10, max_seq_len=100)
+    assert sorted(ids.tolist()) == [2, 5]
+    assert sorted(most_frequent_tokens([[1, 1, 3]], 8, 10, 100).tolist()) == [1, 3]  # never a token that is absent

@@ -1,5 +1,6 @@
 """The training script end to end on a tiny real target: runs, checkpoints, resumes, distributes."""
 
+import json
 import os
 import random
 import signal
@@ -185,3 +186,21 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
     assert stage2.config.num_hidden_layers == 1 and stage2.target_layer_ids == stage1.target_layer_ids
     assert stage2.mask_token_id == 3
     assert (out / "trajectory_summary.json").exists()
+
+
+def test_reduced_head_with_target_labels_keeps_learning_curve_snapshots(workspace):
+    out = workspace / "reduced_head"
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, "train.loss=ce_target", "train.head_vocab=64",
+                                                      "train.snapshot_every=3")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "training head: 64 of" in result.stdout
+    snapshots = sorted((out / "snapshots").iterdir())
+    assert [p.name for p in snapshots] == ["step-000003", "step-000006"]
+    states = [json.loads((p / "trainer_state.json").read_text()) for p in snapshots]
+    assert [s["step"] for s in states] == [3, 6]
+    assert 0 < states[0]["elapsed_seconds"] < states[1]["elapsed_seconds"]
+    # the serving drafter is the same architecture whatever head trained it
+    served = load_drafter(snapshots[-1])
+    assert served.block_size == 16 and torch.equal(
+        load_file(str(snapshots[-1] / "model.safetensors"))["fc.weight"],
+        _final_weights(out)["fc.weight"])

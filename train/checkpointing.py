@@ -25,6 +25,7 @@ class TrainerState:
     step: int = 0              # optimizer steps taken
     epoch: int = 0             # current epoch
     batch_in_epoch: int = 0    # micro-batches of this epoch already consumed
+    elapsed_seconds: float = 0.0  # wall time of the run so far, data and feature preparation included
     metrics: dict = field(default_factory=dict)
 
 

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,8 +32,10 @@ from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from train.batches import DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
 from train.checkpointing import TrainerState, latest_checkpoint, read_trainer_state, save_checkpoint
-from train.loss import acceptance_stats, block_loss, block_targets, default_gamma, slot_weights
-from train.features import GreedyPaths, feature_source
+from data.atomic_files import write_json_atomic
+from train.features import TargetChoices, feature_source
+from train.loss import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
+                        most_frequent_tokens, slot_weights)
 from train.setup import build_draft_config, cache_root, resolve_target, training_dataset
 
 
@@ -61,6 +64,7 @@ def mixed_precision(config: PipelineConfig) -> str:
 
 
 def train(config: PipelineConfig) -> Path:
+    started = time.perf_counter()
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=mixed_precision(config),
@@ -121,6 +125,8 @@ def train(config: PipelineConfig) -> Path:
     if resume_from is not None:
         accelerator.load_state(str(resume_from / "state"))
         state = read_trainer_state(resume_from)
+        # Wall time is counted per process run; a resumed run adds its own (preparation included).
+        started -= state.elapsed_seconds
         log(f"[train] resumed from {resume_from} (step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch})")
 
     if config.logging.wandb:
@@ -140,7 +146,9 @@ def train(config: PipelineConfig) -> Path:
 
     gamma = tc.gamma or default_gamma(draft_config.block_size)
     keep_prob = slot_weights(draft_config.block_size, gamma) if tc.sample_slots else None
-    greedy_paths = GreedyPaths(head.lm_head.weight, tc.logits_chunk) if tc.anchor_scope == "sequence" else None
+    needs_choices = tc.anchor_scope == "sequence" or tc.loss == "ce_target"
+    choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk) if needs_choices else None
+    head_vocab = training_head(head.lm_head.weight, dataset, tc.head_vocab, config.data.max_seq_len, log)
     pad_id = target_config.pad_token_id if isinstance(target_config.pad_token_id, int) else 0
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     window = _new_window()
@@ -156,13 +164,14 @@ def train(config: PipelineConfig) -> Path:
             input_ids = batch.input_ids.to(accelerator.device)
             features = features_of(batch)
             anchors, anchor_valid = anchors.to(accelerator.device), anchor_valid.to(accelerator.device)
-            on_path = greedy_paths(batch, input_ids, features) if greedy_paths else None
+            choices = choices_of(batch, features) if choices_of else None
+            on_path = greedy_path(input_ids, choices) if tc.anchor_scope == "sequence" else None
             with accelerator.accumulate(drafter):
                 with accelerator.autocast():
                     hidden = drafter(features.selected, input_ids, anchors, head.embed)
                 targets = block_targets(anchors, anchor_valid, supervised.to(accelerator.device), draft_config.block_size, on_path)
-                out = block_loss(hidden.float(), targets, features.final_hidden, input_ids, head.lm_head.weight,
-                                 gamma=gamma, kind=tc.loss, temperature=tc.kl_temperature, chunk_rows=tc.logits_chunk,
+                out = block_loss(hidden.float(), targets, features.final_hidden, input_ids, head_vocab,
+                                 gamma=gamma, kind=tc.loss, choices=choices, temperature=tc.kl_temperature, chunk_rows=tc.logits_chunk,
                                  sample_slots=generator if tc.sample_slots else None)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients:
@@ -178,6 +187,7 @@ def train(config: PipelineConfig) -> Path:
                 continue
             scheduler.step()
             state.step += 1
+            state.elapsed_seconds = time.perf_counter() - started
             window["steps"] += 1
             progress.update(1)
             if state.step % tc.log_every == 0 or state.step == total_steps:
@@ -186,6 +196,11 @@ def train(config: PipelineConfig) -> Path:
                 state.metrics = metrics
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['slot1_acc']:.2f}", tau=f"{metrics['sim_tau']:.2f}")
                 accelerator.log(metrics, step=state.step)
+            if tc.snapshot_every and (state.step % tc.snapshot_every == 0 or state.step == total_steps):
+                snapshot = output_dir / "snapshots" / f"step-{state.step:06d}"
+                save_serving_drafter(snapshot)
+                if accelerator.is_main_process:
+                    write_json_atomic(snapshot / "trainer_state.json", asdict(state))
             if state.step % tc.save_every == 0 or state.step == total_steps:
                 save_checkpoint(accelerator, output_dir, state, save_serving_drafter, tc.keep_last)
             if state.step >= total_steps:
@@ -198,6 +213,16 @@ def train(config: PipelineConfig) -> Path:
     final = latest_checkpoint(output_dir)
     log(f"[train] done: {total_steps} steps; drafter at {final / 'drafter'}")
     return final / "drafter"
+
+
+def training_head(lm_head_weight: torch.Tensor, dataset, size: int | None, max_seq_len: int, log) -> HeadVocabulary:
+    """The full lm_head, or its rows for the `size` tokens most frequent in the training data."""
+    if size is None or size >= lm_head_weight.shape[0]:
+        return HeadVocabulary(lm_head_weight)
+    ids = most_frequent_tokens(dataset["input_ids"], size, lm_head_weight.shape[0], max_seq_len)
+    log(f"[train] training head: {len(ids)} of {lm_head_weight.shape[0]} vocabulary rows (the most frequent "
+        "tokens of the training data); serving uses the full head")
+    return HeadVocabulary(lm_head_weight, ids)
 
 
 def _new_window() -> dict:

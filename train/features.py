@@ -53,7 +53,7 @@ def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: P
 def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], accelerator, cache_root: Path):
     from train.setup import load_target_model
 
-    with_final = config.train.loss == "kl" or config.train.anchor_scope == "sequence"
+    with_final = config.train.loss in ("kl", "ce_target") or config.train.anchor_scope == "sequence"
     if config.features.mode == "online":
         target = load_target_model(config, target_path, accelerator.device)
         capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)
@@ -80,31 +80,30 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
     return OfflineFeatures(reader, accelerator.device, config.data.max_seq_len, with_final)
 
 
-class GreedyPaths:
-    """Per dataset row, which tokens are the target's greedy choices (train.loss.greedy_path).
+class TargetChoices:
+    """Per dataset row, the target's greedy next token after every position (train.loss.target_choices).
 
-    Computed from the batch's final hidden states the first time a row is seen and kept (one bool per
+    Computed from the batch's final hidden states the first time a row is seen and kept (an int32 per
     token): later epochs skip that vocabulary projection. Each row is computed alone, unpadded, so the
-    result does not depend on which batch first saw it (a resumed run gets the same bits).
+    result does not depend on which batch first saw it (a resumed run gets the same values).
     """
 
     def __init__(self, lm_head_weight: torch.Tensor, chunk_rows: int):
         self.lm_head_weight, self.chunk_rows = lm_head_weight, chunk_rows
         self.rows: dict[int, torch.Tensor] = {}
 
-    def __call__(self, batch: Batch, input_ids: torch.Tensor, captured: Captured) -> torch.Tensor:
-        from train.loss import greedy_path
+    def __call__(self, batch: Batch, captured: Captured) -> torch.Tensor:
+        """[Bsz, T] long (padding: -1)."""
+        from train.loss import target_choices
 
         lengths = batch.attention_mask.sum(1).tolist()
         for b, i in enumerate(batch.indices):
             if i not in self.rows:
                 n = int(lengths[b])
-                on_path = greedy_path(input_ids[b : b + 1, :n], captured.final_hidden[b : b + 1, :n],
-                                      self.lm_head_weight, self.chunk_rows)
-                self.rows[i] = on_path[0].cpu()
-        out = torch.zeros_like(input_ids, dtype=torch.bool)
+                choices = target_choices(captured.final_hidden[b : b + 1, :n], self.lm_head_weight, self.chunk_rows)
+                self.rows[i] = choices[0].to(device="cpu", dtype=torch.int32)
+        out = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
         for b, i in enumerate(batch.indices):
             row = self.rows[i]
-            out[b, : len(row)] = row.to(out.device)
-        return out
-
+            out[b, : len(row)] = row
+        return out.to(captured.final_hidden.device)

@@ -61,16 +61,55 @@ def block_targets(anchors: torch.Tensor, anchor_valid: torch.Tensor, loss_mask: 
 
 
 @torch.no_grad()
-def greedy_path(input_ids: torch.Tensor, target_final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                chunk_rows: int = 1024) -> torch.Tensor:
-    """[Bsz, T] bool: token p equals argmax lm_head(final hidden at p - 1) (position 0: False)."""
+def target_choices(target_final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """[Bsz, T] long: the target's greedy next token after each position, argmax lm_head(final hidden at p)."""
     bsz, seq_len, hidden = target_final_hidden.shape
-    rows = target_final_hidden[:, :-1].reshape(-1, hidden)
-    choice = torch.cat([(rows[i : i + chunk_rows].to(lm_head_weight.dtype) @ lm_head_weight.T).argmax(-1)
-                        for i in range(0, len(rows), chunk_rows)]).view(bsz, seq_len - 1)
+    rows = target_final_hidden.reshape(-1, hidden)
+    return torch.cat([(rows[i : i + chunk_rows].to(lm_head_weight.dtype) @ lm_head_weight.T).argmax(-1)
+                      for i in range(0, len(rows), chunk_rows)]).view(bsz, seq_len)
+
+
+def greedy_path(input_ids: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+    """[Bsz, T] bool: token p is the target's greedy choice after p - 1 (position 0: False)."""
     on_path = torch.zeros_like(input_ids, dtype=torch.bool)
-    on_path[:, 1:] = choice == input_ids[:, 1:]
+    on_path[:, 1:] = choices[:, :-1] == input_ids[:, 1:]
     return on_path
+
+
+class HeadVocabulary:
+    """The rows of the frozen lm_head that training projects onto; serving always uses the full head.
+
+    The vocabulary projection is most of a CPU training step (vocab 49,152 x hidden 576 here); the
+    tokens a target actually emits on the training data are a small part of its vocabulary. Draft and
+    target logits are taken over those rows only (the KL renormalised over them); a label outside
+    them is dropped from the loss and counted as a miss.
+    """
+
+    def __init__(self, lm_head_weight: torch.Tensor, token_ids: torch.Tensor | None = None):
+        vocab = lm_head_weight.shape[0]
+        if token_ids is None:
+            self.weight, self.index_of, self.size = lm_head_weight, None, vocab
+            return
+        token_ids = torch.unique(token_ids.long())
+        if len(token_ids) == 0 or int(token_ids[0]) < 0 or int(token_ids[-1]) >= vocab:
+            raise ValueError(f"head vocabulary ids must lie in [0, {vocab}) and not be empty")
+        self.weight = lm_head_weight[token_ids.to(lm_head_weight.device)].contiguous()
+        self.index_of = torch.full((vocab,), -1, dtype=torch.long, device=lm_head_weight.device)
+        self.index_of[token_ids.to(lm_head_weight.device)] = torch.arange(len(token_ids), device=lm_head_weight.device)
+        self.size = len(token_ids)
+
+    def local(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary ids -> row indices of this head (-1 outside it)."""
+        return token_ids if self.index_of is None else self.index_of[token_ids]
+
+
+def most_frequent_tokens(sequences, size: int, vocab_size: int, max_seq_len: int) -> torch.Tensor:
+    """The `size` token ids that occur most often in the sequences (their first max_seq_len tokens)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in sequences:
+        counts += torch.bincount(torch.tensor(ids[:max_seq_len], dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    present = int((counts > 0).sum())
+    return torch.topk(counts, min(size, present)).indices
 
 
 @dataclass
@@ -106,17 +145,21 @@ class _VocabLoss(torch.autograd.Function):
                 per_row = (target_p * (target_logp - draft_logp)).sum(-1)
                 del target_logits, target_logp
             else:
-                choice = labels[sl]
-                per_row = -draft_logp.gather(-1, choice[:, None])[:, 0]
-            total += (per_row * weights[sl]).sum()
+                known = labels[sl] >= 0  # a label outside a reduced head: no loss, a miss
+                choice = labels[sl].clamp_min(0)
+                per_row = -draft_logp.gather(-1, choice[:, None])[:, 0] * known
+            row_weights = weights[sl] if kind == "kl" else weights[sl] * known
+            total += (per_row * row_weights).sum()
             correct[sl] = draft_logits.argmax(-1) == choice
+            if kind != "kl":
+                correct[sl] &= known
             if need_grad:
                 g = draft_logp.exp_()  # softmax, in place of the log-probabilities
                 if kind == "kl":
                     g -= target_p
                 else:
                     g[torch.arange(len(choice), device=g.device), choice] -= 1.0
-                g *= (weights[sl] / temperature)[:, None]
+                g *= (row_weights / temperature)[:, None]
                 grad[sl] = (g.to(lm_head.dtype) @ lm_head).float()
         if need_grad:
             ctx.save_for_backward(grad)
@@ -134,9 +177,10 @@ def block_loss(
     targets: BlockTargets,
     target_final_hidden: torch.Tensor | None,
     input_ids: torch.Tensor,
-    lm_head_weight: torch.Tensor,
+    head: torch.Tensor | HeadVocabulary,
     *,
     gamma: float,
+    choices: torch.Tensor | None = None,
     kind: str = "kl",
     temperature: float = 1.0,
     chunk_rows: int = 1024,
@@ -144,15 +188,22 @@ def block_loss(
 ) -> LossOutput:
     """draft_hidden: [Bsz, N, B, H] (slot 0 included, ignored); target_final_hidden: [Bsz, T, H].
 
+    kind: "kl" to the target's distribution, "ce" to the data tokens, "ce_target" to the target's
+    greedy tokens (choices [Bsz, T] from target_choices; no target logits in the step at all).
+    head: the lm_head weight, or a HeadVocabulary (a subset of its rows).
+
     sample_slots: instead of weighting slot k by w_k, keep it with probability w_k (weight 1). One
     uniform per block keeps a prefix of its slots; the loss is the same in expectation for about
     sum(w) / (B-1) of the vocabulary projections (44% at gamma 7, block 16). slot_valid then marks the
     kept slots; pass slot_weights(...) to acceptance_stats as keep_prob.
     """
-    if kind not in ("kl", "ce"):
-        raise ValueError(f"loss kind must be 'kl' or 'ce', got {kind!r}")
+    if kind not in ("kl", "ce", "ce_target"):
+        raise ValueError(f"loss kind must be 'kl', 'ce' or 'ce_target', got {kind!r}")
     if kind == "kl" and target_final_hidden is None:
         raise ValueError("the KL loss needs the target's final normed hidden states")
+    if kind == "ce_target" and choices is None:
+        raise ValueError("the ce_target loss needs the target's greedy choices")
+    head = head if isinstance(head, HeadVocabulary) else HeadVocabulary(head)
     bsz, n_blocks, block_size, hidden = draft_hidden.shape
     weights = slot_weights(block_size, gamma, draft_hidden.device).expand(bsz, n_blocks, -1)
     expected_weight = (weights * targets.valid).sum()
@@ -163,12 +214,13 @@ def block_loss(
     rows = targets.valid.nonzero(as_tuple=True)  # (b, n, k-1) of every supervised slot
     batch_idx, pos = rows[0], targets.positions[rows]
     draft_rows = draft_hidden[:, :, 1:][rows]
-    labels = input_ids[batch_idx, pos]
     # The target predicts token p from its hidden state at p - 1.
+    labels = head.local(choices[batch_idx, pos - 1] if kind == "ce_target" else input_ids[batch_idx, pos])
     target_rows = target_final_hidden[batch_idx, pos - 1] if kind == "kl" else draft_rows.new_empty(len(pos), 0)
     row_weights = weights[rows]
 
-    total, correct = _VocabLoss.apply(draft_rows, target_rows, labels, row_weights, lm_head_weight, kind, temperature, chunk_rows)
+    total, correct = _VocabLoss.apply(draft_rows, target_rows, labels, row_weights, head.weight,
+                                      "kl" if kind == "kl" else "ce", temperature, chunk_rows)
     slot_correct = torch.zeros_like(targets.valid)
     slot_correct[rows] = correct
     loss = total / expected_weight.clamp_min(1e-6)

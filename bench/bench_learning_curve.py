@@ -1,0 +1,153 @@
+"""Learning curve: held-out acceptance length against the wall minutes a recipe has spent.
+
+Every training run with `train.snapshot_every: N` keeps a serving-format drafter every N steps under
+`<output_dir>/snapshots/step-NNNNNN/`, with the wall time the run had spent by then (data regeneration
+and feature capture included when the run did them: `elapsed_seconds` in its trainer_state.json). This
+script scores every snapshot of one or more runs on the eval's held-out code, prose and chat prompts,
+teacher forced: the target (fp32, as in `eval.acceptance`) writes its greedy continuation once, every
+snapshot drafts a block at every continuation position, and slot k counts while slots 1..k match. That
+is the eval's `sim tau`, which tracks its decoded tau (BENCHMARKS.md).
+
+    python -m bench.bench_learning_curve quick=outputs/testbed full=outputs/testbed-full --out outputs/bench/curve
+
+Writes curve.json, curve.md (a table) and curve.png (tau against minutes, one line per run and
+category). Scores are cached in curve.json, so a rerun scores only new snapshots.
+`--prep-minutes NAME=M` adds M minutes to a run whose data and features came from an earlier run's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+CATEGORIES = ("code", "prose", "chat")
+
+
+def snapshots(output_dir: Path) -> list[tuple[Path, dict]]:
+    found = []
+    for folder in sorted((output_dir / "snapshots").glob("step-*")):
+        state = folder / "trainer_state.json"
+        if state.exists() and (folder / "config.json").exists():
+            found.append((folder, json.loads(state.read_text())))
+    return found
+
+
+def score(drafter, head, features_of, rows_of) -> dict:
+    from eval.acceptance import teacher_forced_slots
+    from train.loss import acceptance_stats
+
+    out = {}
+    with torch.inference_mode():
+        for category, rows in rows_of.items():
+            correct, valid = [], []
+            for index, (sequence, n_prompt) in enumerate(rows):
+                slots = teacher_forced_slots(drafter, head, features_of(category, index), sequence, n_prompt)
+                if slots is not None:
+                    correct.append(slots[0])
+                    valid.append(slots[1])
+            stats = acceptance_stats(torch.cat(correct), torch.cat(valid))
+            out[category] = {"sim_tau": round(stats["sim_tau"], 4), "slot1": round(stats["slot_accuracy"][0], 4)}
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CATEGORIES), figsize=(5 * len(CATEGORIES), 4), sharey=True)
+    for ax, category in zip(axes, CATEGORIES):
+        for run, points in results.items():
+            pts = sorted(points.values(), key=lambda p: p["minutes"])
+            ax.plot([p["minutes"] for p in pts], [p["scores"][category]["sim_tau"] for p in pts], marker="o", label=run)
+        ax.set_title(f"{category} (held out)")
+        ax.set_xlabel("wall minutes spent (data + training)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("acceptance length tau (teacher forced)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def table(results: dict) -> str:
+    head = "| run | step | minutes | " + " | ".join(f"{c} tau | {c} slot-1" for c in CATEGORIES) + " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(CATEGORIES))]
+    for run, points in results.items():
+        for p in sorted(points.values(), key=lambda p: p["minutes"]):
+            cells = " | ".join(f"{p['scores'][c]['sim_tau']:.3f} | {p['scores'][c]['slot1']:.3f}" for c in CATEGORIES)
+            lines.append(f"| {run} | {p['step']} | {p['minutes']:.1f} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.bench_heldout_tau import continuations
+    from data.atomic_files import write_json_atomic
+    from drafters.capture import HFCapture
+    from drafters.checkpoint import load_drafter
+    from drafters.frozen_target import FrozenTargetHead
+    from eval.acceptance import parse_drafter_arg
+    from scripts.testbed import default_cache_dir
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="[NAME=]training output_dir with snapshots/")
+    parser.add_argument("--target", default=None, help="target folder (default: the testbed target)")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per category")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prep-minutes", action="append", default=[], help="NAME=M: minutes of preparation the run reused")
+    parser.add_argument("--out", default="outputs/bench/curve")
+    args = parser.parse_args(argv)
+
+    target = Path(args.target) if args.target else default_cache_dir() / "targets" / "SmolLM2-135M-Instruct"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prep = {name: float(m) for name, _, m in (a.partition("=") for a in args.prep_minutes)}
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    cache = out / "continuations.pt"
+    key = {"target": str(target.resolve()), "prompts": args.prompts, "new_tokens": args.new_tokens, "categories": CATEGORIES}
+    # Our own file of plain tensors and lists: weights_only keeps it from running code.
+    traces = torch.load(cache, weights_only=True) if cache.exists() else None
+    if traces is None or traces["key"] != key:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        traces = {"key": key, "categories": continuations(model, tokenizer, args.prompts, args.new_tokens, CATEGORIES)}
+        torch.save(traces, cache)
+    rows_of = traces["categories"]
+    head = FrozenTargetHead.from_pretrained(target, dtype=torch.float32)
+    captured: dict[tuple, dict] = {}
+
+    def features_for(layer_ids):
+        key = tuple(layer_ids)
+        if key not in captured:
+            capture = HFCapture(model, list(layer_ids))
+            with torch.inference_mode():
+                captured[key] = {(c, i): capture.capture(seq, with_final=False).selected
+                                 for c, rows in rows_of.items() for i, (seq, _) in enumerate(rows)}
+            capture.remove()
+        return lambda category, index: captured[key][(category, index)]
+
+    results_path = out / "curve.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    for arg in args.runs:
+        name, path = parse_drafter_arg(arg)
+        points = results.setdefault(name, {})
+        for folder, state in snapshots(Path(path)):
+            minutes = state.get("elapsed_seconds", 0.0) / 60 + prep.get(name, 0.0)
+            if folder.name in points and points[folder.name]["minutes"] == minutes:
+                continue
+            drafter = load_drafter(folder, dtype=torch.float32).eval()
+            scores = score(drafter, head, features_for(drafter.target_layer_ids), rows_of)
+            points[folder.name] = {"step": state["step"], "minutes": minutes, "scores": scores}
+            print(json.dumps({"run": name, "step": state["step"], "minutes": round(minutes, 2), **scores}), flush=True)
+            write_json_atomic(results_path, results)
+    (out / "curve.md").write_text(table(results))
+    plot(results, out / "curve.png")
+    print(f"wrote {results_path}, {out / 'curve.md'}, {out / 'curve.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -248,6 +248,9 @@ def test_resume_refuses_changed_settings_and_names_them(workspace, reference_run
     layers = _run([sys.executable, str(TRAIN), *_args(workspace, out, "drafter.num_layers=2")])
     assert layers.returncode == 2 and "drafter.num_layers: 1 -> 2" in layers.stderr, layers.stderr[-3000:]
     assert "Traceback" not in layers.stderr and "state_dict" not in layers.stderr
+    layers = _run([sys.executable, str(TRAIN), *_args(workspace, out, "drafter.num_layers=2",
+                                                      "train.resume_allow_config_change=true")])
+    assert layers.returncode == 2 and "architecture cannot change" in layers.stderr, layers.stderr[-3000:]
     assert read_trainer_state(list_checkpoints(out)[-1]).step == 4
 
     # Accepted explicitly, the new lr applies from the resumed step on (the weights are not the old run's).

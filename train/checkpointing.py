@@ -281,10 +281,12 @@ def check_config_drift(checkpoint: Path, config: PipelineConfig, log) -> None:
         log(f"[train] resume: accepted setting change(s) that do not change the run:\n  {lines(safe)}")
     if not other:
         return
-    if config.train.resume_allow_config_change:
+    architecture = any(k.startswith("drafter.") for k, _, _ in other)  # the saved weights fix it: no flag helps
+    if config.train.resume_allow_config_change and not architecture:
         log(f"[train] resume: train.resume_allow_config_change: applying changed setting(s) from {checkpoint.name} on:\n  {lines(other)}")
         return
+    way_out = ("The drafter's architecture cannot change under its saved weights: rerun with the old values or use "
+               "a new output_dir" if architecture else "Rerun with the old values, use a new output_dir, or set "
+               f"train.resume_allow_config_change=true to apply them from {checkpoint.name} on")
     raise ResumeRefused(f"refusing to resume from {checkpoint}: these settings differ from the ones its run was "
-                        f"started with, and they change what it computes:\n  {lines(other)}\nRerun with the old "
-                        "values, use a new output_dir, or set train.resume_allow_config_change=true to apply them "
-                        f"from {checkpoint.name} on")
+                        f"started with, and they change what it computes:\n  {lines(other)}\n{way_out}")

@@ -76,6 +76,8 @@ class DataConfig(Strict):
     mixture: MixtureConfig = MixtureConfig()
     # Trajectory log files or folders (JSONL, JSONL.gz, Parquet) for stage 2.
     trajectories: list[str] = []
+    # A trajectory log line longer than this is quarantined (record_too_large) without being held in memory.
+    max_record_bytes: int = Field(64 << 20, ge=1024)
     max_seq_len: int = Field(2048, ge=16)
     seed: int = 0
 
@@ -92,7 +94,8 @@ class TrainConfig(Strict):
     # Stage 2: weights-only initialisation from a stage-1 checkpoint (not a resume).
     init_from: str | None = None
     epochs: int = Field(3, ge=1)
-    max_steps: int | None = None
+    # None: epochs decide; else the optimizer steps of the run (the lr schedule's length either way).
+    max_steps: int | None = Field(None, ge=1)
     batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1)
     anchors_per_seq: int = Field(32, ge=1)
@@ -124,6 +127,14 @@ class TrainConfig(Strict):
     seed: int = 0
     # Continue from the newest checkpoint in output_dir when there is one.
     resume: bool = True
+    # Resume refuses a checkpoint holding a pickle (DeepSpeed writes its state with pickle): unpickling runs
+    # code. True: the checkpoint folder is trusted.
+    trust_checkpoint_pickles: bool = False
+    # Resume refuses settings that changed the run's meaning since its checkpoints (train/drift.py); True
+    # accepts them (they apply from the resumed step).
+    resume_allow_config_change: bool = False
+    # Non-finite loss or gradient norm: the step is skipped; this many in a row stop the run.
+    max_nonfinite_steps: int = Field(3, ge=1)
     save_every: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
     # Every N steps also keep a serving-format copy of the drafter under output_dir/snapshots/ (a few MB

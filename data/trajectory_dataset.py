@@ -19,7 +19,8 @@ def build_trajectory_dataset(config: PipelineConfig, target_path: Path, cache_ro
     vocab_size = AutoConfig.from_pretrained(target_path).vocab_size
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    reader = TrajectoryReader(config.data.trajectories, vocab_size, quarantine_path=output_dir / "quarantine.jsonl")
+    reader = TrajectoryReader(config.data.trajectories, vocab_size, quarantine_path=output_dir / "quarantine.jsonl",
+                              max_record_bytes=config.data.max_record_bytes)
     tree = build_prefix_tree(reader)
     summary = reader.summary
     summary.check()

@@ -9,7 +9,7 @@ A drafter is a reference-format folder (config.json + model.safetensors), a trai
 holding ``drafter/``, a training output_dir (its newest ``checkpoints/step-*``), or an FP8 export
 (config.json with "quantization_config"). It is named by its path, or ``name=path``. Every drafter is
 checked against the target's config before anything is decoded (layer ids, mask id, vocabulary, hidden
-size; both values named).
+size; both values named) and for finite weights.
 
 Per prompt, in this order (interleaved, so machine-load drift hits every method alike): the target
 decoding alone (the baseline and, at T = 0, the ground truth), prompt-lookup drafting, every drafter
@@ -121,6 +121,18 @@ def check_fit(spec: DrafterSpec, target_config, target_name: str) -> None:
         validate_target(Qwen3Config.from_dict(raw), target_config)
     except ValueError as err:
         raise EvalError(f"{where}: {err}") from None
+
+
+def check_finite(spec: DrafterSpec) -> None:
+    """Refuse a drafter with NaN / inf weights (a diverged training run): it would report tau 1.0 as if valid."""
+    from safetensors import safe_open
+
+    with safe_open(str(spec.folder / "model.safetensors"), framework="pt") as f:
+        bad = [name for name in f.keys() if not torch.isfinite(f.get_tensor(name).float()).all()]
+    if bad:
+        raise EvalError(f"drafter {spec.name!r} ({spec.folder}) has non-finite weights in {len(bad)} tensor(s) "
+                        f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}): a diverged training run; "
+                        "no tau is reported for it")
 
 
 def load_spec(spec: DrafterSpec, dtype: torch.dtype, target_config):
@@ -345,6 +357,7 @@ def prepare(drafter_args: list[str], settings: EvalSettings, log=print):
     target_config = AutoConfig.from_pretrained(target_path)
     for spec in specs:
         check_fit(spec, target_config, str(target_path))
+        check_finite(spec)
 
     text = text_config(target_config)
     max_positions = getattr(text, "max_position_embeddings", None)

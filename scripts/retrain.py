@@ -164,16 +164,23 @@ class StateDir:
 
 def new_state() -> dict:
     return {"format": STATE_FORMAT, "created": now_iso(), "updated": None, "cycle": 0, "promoted": None,
-            "versions": {}, "consumed": {}, "in_progress": None, "session_roots": {}, "cycles": [],
+            "versions": {}, "consumed": {}, "requests": {}, "in_progress": None, "session_roots": {}, "cycles": [],
             "last_record": None}
 
 
 def load_state(sd: StateDir) -> dict:
     if not sd.state.exists():
         return new_state()
-    state = json.loads(sd.state.read_text(encoding="utf-8"))
-    if state.get("format") != STATE_FORMAT:
-        raise RetrainError(f"{sd.state}: state format {state.get('format')!r}, this script reads {STATE_FORMAT}")
+    try:
+        state = json.loads(sd.state.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError: damaged, not written by us
+        raise RetrainError(f"{sd.state} is not readable JSON ({type(err).__name__}: {err}). It is only ever replaced "
+                           "whole (atomic rename), so it was damaged outside this script; restore it from a backup. "
+                           "Nothing was changed.") from None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise RetrainError(f"{sd.state}: state format {found!r}, this script reads {STATE_FORMAT}")
+    state.setdefault("requests", {})  # written before requests were remembered across cycles
     return state
 
 
@@ -467,10 +474,13 @@ def _wandb_log(config: PipelineConfig, sd: StateDir, record: dict, log) -> None:
 
 
 def _commit(config: PipelineConfig, sd: StateDir, state: dict, record: dict, files: list[dict], *, consume: bool,
-            roots: dict[str, str] | None = None, version: tuple[str, dict] | None = None, log=print) -> dict:
+            roots: dict[str, str] | None = None, version: tuple[str, dict] | None = None, requests: list[str] = (),
+            log=print) -> dict:
     """One atomic state write (consumption, promotion, counter), then the symlink, history and wandb."""
     cycle = record["cycle"]
     if consume:
+        for key in requests:  # content keys of the accepted requests: a re-shipped copy is quarantined later
+            state["requests"].setdefault(key, cycle)
         per_file = {f["path"]: f for f in record.get("files", [])}
         for f in files:
             info = per_file.get(f["path"], {})
@@ -582,7 +592,7 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
 
     # ---- 1. ingest ---------------------------------------------------------------------------------
     from data.prefix_tree import build_prefix_tree
-    from data.trajectories import TrajectoryReader
+    from data.trajectories import TrajectoryReader, content_key
 
     t0 = time.time()
     to_read = [f["path"] for f in files if f["status"] != "duplicate_content"]
@@ -590,7 +600,9 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
     records = []
     summary = None
     if to_read:
-        reader = TrajectoryReader(to_read, vocab_size, quarantine_path=quarantine)
+        earlier = {key: f"cycle {c}" for key, c in state["requests"].items()}
+        reader = TrajectoryReader(to_read, vocab_size, quarantine_path=quarantine, already_consumed=earlier,
+                                  max_record_bytes=config.data.max_record_bytes)
         records = list(reader)
         summary = reader.summary.check()
         write_json_atomic(cdir / "ingest_summary.json", summary.to_dict())
@@ -606,8 +618,8 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
             entry["status"] = "duplicate_content" if f["status"] == "duplicate_content" else "empty"
         if f["status"] == "rewritten":
             log(f"[retrain] WARNING: {f['path']} was consumed in cycle {f['previous']['cycle']} and has been rewritten "
-                "since; it is read again in full (requests it held before are trained on again). Rotate log files "
-                "instead of rewriting them (data/TRAJECTORY_FORMAT.md).")
+                "since; it is read again in full (the requests it held before are quarantined as already_consumed). "
+                "Rotate log files instead of rewriting them (data/TRAJECTORY_FORMAT.md).")
         per_file.append(entry)
     record["files"] = per_file
     record["requests"] = {
@@ -629,7 +641,8 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
         phase["total"] = time.time() - started
         record["seconds"] = {k: round(v, 3) for k, v in phase.items()}
         write_json_atomic(cdir / "cycle.json", record)
-        _commit(config, sd, state, record, files, consume=consume, roots=roots, version=version, log=log)
+        _commit(config, sd, state, record, files, consume=consume, roots=roots, version=version,
+                requests=[content_key(r) for r in records], log=log)
         log(_summary_line(record))
         return record
 
@@ -863,6 +876,7 @@ def status(config: PipelineConfig) -> dict:
     return {"state_dir": str(sd.root), "cycle": state["cycle"], "promoted": state["promoted"],
             "current_link": os.readlink(sd.current) if sd.current.is_symlink() else None,
             "versions": state["versions"], "consumed_files": len(state["consumed"]),
+            "consumed_requests": len(state["requests"]),
             "in_progress": state["in_progress"], "last_cycles": state["cycles"][-5:]}
 
 
@@ -892,6 +906,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RetrainError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from train.dflash import EXIT_DIVERGED, TrainingDiverged
+
+        if not isinstance(err, TrainingDiverged):
+            raise
+        print(f"error: {err} (the cycle stays in progress and resumes from that checkpoint)", file=sys.stderr)
+        return EXIT_DIVERGED
     return 0
 
 

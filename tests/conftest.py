@@ -1,3 +1,6 @@
+import json
+import random
+
 import pytest
 
 
@@ -7,3 +10,58 @@ def testbed_target():
     from scripts.testbed import prepare_testbed_target
 
     return prepare_testbed_target()
+
+
+def hostile_lines(n: int, seed: int, max_record_bytes: int) -> list[bytes]:
+    """n JSONL lines that must each be quarantined, never stop a reader: one of every kind first, then random
+    ones (huge integer literals, deep nesting, oversized records, truncated or random bytes, lone surrogates,
+    wrong types), each in random positions of an otherwise valid record."""
+    rng = random.Random(seed)
+
+    def record(k: int, **fields) -> dict:
+        return {"session_id": f"hostile-{k}", "request_id": f"hostile-{k}", "input_ids": [1, 2, 3],
+                "output_ids": [4, 5], "timestamp": 1_700_000_000.0, **fields}
+
+    def spliced(k: int, field: str, raw: bytes) -> bytes:
+        marker = "@@RAW@@"
+        return json.dumps(record(k, **{field: marker})).encode().replace(f'"{marker}"'.encode(), raw)
+
+    def huge_int(k):
+        digits = b"9" * rng.randint(4301, 20000)
+        return spliced(k, rng.choice(["input_ids", "output_ids", "timestamp", "metadata"]),
+                       b"[" + digits + b"]" if rng.random() < 0.5 else digits)
+
+    def deep(k):
+        depth = rng.randint(1100, 6000)  # past the parser's recursion limit, under the test's byte limit
+        nest = b"[" * depth + b"]" * depth if rng.random() < 0.5 else b'{"a":' * depth + b"1" + b"}" * depth
+        return nest if rng.random() < 0.3 else spliced(k, rng.choice(["input_ids", "metadata", "session_id"]), nest)
+
+    def deep_metadata(k):  # parses, but nested past what a record may carry
+        depth = rng.randint(40, 800)
+        return spliced(k, "metadata", b'{"a":' * depth + b"1" + b"}" * depth)
+
+    def oversized(k):
+        return spliced(k, "input_ids", b"[" + b"7," * (max_record_bytes // 2 + rng.randint(1, 1000)) + b"7]")
+
+    def truncated(k):
+        line = json.dumps(record(k)).encode()
+        return line[: rng.randint(1, len(line) - 1)]
+
+    def random_bytes(k):
+        return bytes(rng.choice([b for b in range(256) if b != 10]) for _ in range(rng.randint(8, 300)))
+
+    def surrogate(k):
+        return spliced(k, rng.choice(["session_id", "request_id", "parent_request_id"]), b'"x\\ud800y"')
+
+    def wrong_value(k):
+        field = rng.choice(["input_ids", "output_ids", "timestamp", "session_id"])
+        return spliced(k, field, rng.choice([b"1e999", b"NaN", b"-Infinity", b"[1.5]", b"[true]", b"[-1]",
+                                             b"[1e400]", b'""', b"null", b"[[1]]", b"{}", b"[]"]))
+
+    kinds = [huge_int, deep, deep_metadata, oversized, truncated, random_bytes, surrogate, wrong_value]
+    return [(kinds[k] if k < len(kinds) else rng.choice(kinds))(k) for k in range(n)]
+
+
+@pytest.fixture(scope="session")
+def make_hostile_lines():
+    return hostile_lines

@@ -47,3 +47,10 @@ def test_dump_round_trips(tmp_path):
     path = tmp_path / "dumped.yaml"
     path.write_text(dump_config(config))
     assert load_config(path) == config
+
+
+def test_max_steps_must_be_at_least_one():
+    assert load_config(None, ["train.max_steps=null"]).train.max_steps is None  # no limit: epochs decide
+    for bad in ("-1", "0"):
+        with pytest.raises(ConfigError, match=r"'train\.max_steps': Input should be greater than or equal to 1"):
+            load_config(None, [f"train.max_steps={bad}"])

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from configs.schema import DrafterConfig
@@ -131,6 +132,12 @@ def test_bad_inputs_are_refused_before_decoding(smol, random_drafter, tmp_path):
         prepare([str(vocab)], EvalSettings(**base))
     with pytest.raises(EvalError, match="not a drafter folder"):
         prepare([str(tmp_path)], EvalSettings(**base))
+    diverged = edited_copy(random_drafter, tmp_path / "diverged")
+    weights = load_file(str(diverged / "model.safetensors"))
+    weights["fc.weight"][0, 0] = float("inf")
+    save_file(weights, str(diverged / "model.safetensors"))
+    with pytest.raises(EvalError, match=r"'d' .* non-finite weights in 1 tensor\(s\) \(fc.weight\)"):
+        prepare([f"d={diverged}"], EvalSettings(**base))
     with pytest.raises(EvalError, match="unique"):
         prepare([f"a={random_drafter}", f"a={random_drafter}"], EvalSettings(**base))
 

@@ -18,17 +18,19 @@ import fcntl
 import gzip
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from data.trajectories import load_trajectories
-from scripts.retrain import StateDir, discover, is_heldout, new_state, session_roots
+from data.trajectories import load_trajectories, write_trajectories
+from scripts.retrain import StateDir, _cycle_heldout, discover, is_heldout, new_state, session_roots
 
 REPO = Path(__file__).resolve().parents[1]
 RETRAIN = REPO / "scripts" / "retrain.py"
@@ -40,6 +42,8 @@ PREFILL = "Tool call:"
 # Session ids of the simulator are a function of (split, seed, index): with 3 sessions per run these seeds
 # put exactly one root session of three on the held-out side at heldout_fraction 0.34 (asserted below).
 SEEDS = {"cycle1": 0, "cycle2": 3, "cycle3": 6}
+MAX_RECORD_BYTES = 1 << 16
+HOSTILE = 16  # hostile lines mixed into cycle 1's traffic
 
 
 def _env() -> dict:
@@ -52,7 +56,7 @@ def overrides(target: Path, state: Path, incoming: list[Path], *extra: str) -> l
             "retrain.incoming=[" + ", ".join(str(p) for p in incoming) + "]",
             "logging.wandb=false", "retrain.heldout_fraction=0.34", "retrain.eval_max_prompts=2",
             "retrain.eval_requests_per_session=2", "retrain.eval_max_new_tokens=32",
-            "train.max_steps=10", "train.save_every=5", *extra]
+            "train.max_steps=10", "train.save_every=5", f"data.max_record_bytes={MAX_RECORD_BYTES}", *extra]
 
 
 def retrain(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
@@ -125,6 +129,17 @@ def traffic(target, tmp_path_factory):
     return make
 
 
+def with_hostile_lines(log: Path, dst: Path, hostile: list[bytes]) -> Path:
+    """The log's lines with hostile ones inserted at random places, as one gzip file."""
+    mixed = gzip.decompress(log.read_bytes()).splitlines()
+    rng = random.Random(0)
+    for line in hostile:
+        mixed.insert(rng.randint(0, len(mixed)), line)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(gzip.compress(b"\n".join(mixed) + b"\n"))
+    return dst
+
+
 def ship(log: Path, incoming: Path) -> Path:
     """Log shipping: the file lands in the incoming folder under its final name (atomic copy + rename)."""
     incoming.mkdir(parents=True, exist_ok=True)
@@ -140,11 +155,13 @@ def ship(log: Path, incoming: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def lifecycle(target, traffic, tmp_path_factory):
+def lifecycle(target, traffic, make_hostile_lines, tmp_path_factory):
     root = tmp_path_factory.mktemp("lifecycle")
     state, incoming = root / "state", root / "incoming"
     args = overrides(target, state, [incoming])
-    ship(traffic(SEEDS["cycle1"]), incoming)
+    # Cycle 1's log holds lines that once stopped every cycle (huge integers, deep nesting, ...).
+    hostile = make_hostile_lines(HOSTILE, seed=1, max_record_bytes=MAX_RECORD_BYTES)
+    ship(with_hostile_lines(traffic(SEEDS["cycle1"]), root / "shipped" / "traffic-1.jsonl.gz", hostile), incoming)
     out1 = ok(retrain(*args))
     link_after_1 = os.readlink(state / "current")
     ship(traffic(SEEDS["cycle2"], PREFILL), incoming)
@@ -152,7 +169,7 @@ def lifecycle(target, traffic, tmp_path_factory):
     return {"root": root, "state": state, "incoming": incoming, "out": [out1, out2], "link_after_1": link_after_1}
 
 
-def test_two_cycles_promote_better_drafters(lifecycle, target):
+def test_two_cycles_promote_better_drafters(lifecycle, target, traffic):
     from drafters.checkpoint import load_drafter
     from drafters.contract import check_folder
     from transformers import AutoConfig
@@ -184,14 +201,21 @@ def test_two_cycles_promote_better_drafters(lifecycle, target):
         assert rec["eval"]["heldout_files"][0] == rec["heldout_file"]
     # Cycle 2's traffic drifted (prefilled turns): the cycle-1 drafter no longer predicts the target.
     assert c2["tau_current"] < 1.5
+    items = [json.loads(line) for line in Path(c1["quarantine_file"]).read_text().splitlines()]
+    assert len(items) == HOSTILE and all(it["source_file"] == c1["files"][0]["path"] and it["line"] for it in items)
+    assert {"number_too_large", "nesting_too_deep", "record_too_large"} <= set(c1["requests"]["by_reason"])
 
-    # Data accounting of each cycle reconciles with the files it read.
-    for rec, (seed, prefill) in ((c1, (SEEDS["cycle1"], "")), (c2, (SEEDS["cycle2"], PREFILL))):
+    # Data accounting of each cycle reconciles with the files it read: every good line was taken, every
+    # hostile line of cycle 1 quarantined (and cycle 1 still promoted, above).
+    for rec, (seed, prefill), hostile in ((c1, (SEEDS["cycle1"], ""), HOSTILE), (c2, (SEEDS["cycle2"], PREFILL), 0)):
         (entry,) = rec["files"]
-        records, _ = load_trajectories(entry["path"], VOCAB)
-        assert entry["status"] == "ingested" and entry["read"] == entry["accepted"] == len(records)
-        assert rec["requests"] == {"read": len(records), "accepted": len(records), "quarantined": 0,
-                                   "by_reason": {}, "blank_lines": 0}
+        records, _ = load_trajectories(entry["path"], VOCAB, max_record_bytes=MAX_RECORD_BYTES)
+        clean, _ = load_trajectories(traffic(seed, prefill), VOCAB)
+        assert [r.request_id for r in records] == [r.request_id for r in clean]
+        assert entry["status"] == "ingested" and entry["accepted"] == len(records)
+        assert entry["read"] == len(records) + hostile and entry["quarantined"] == hostile
+        assert rec["requests"]["read"] == len(records) + hostile and rec["requests"]["accepted"] == len(records)
+        assert rec["requests"]["quarantined"] == sum(rec["requests"]["by_reason"].values()) == hostile
         split = rec["split"]
         assert split["train_requests"] + split["heldout_requests"] == len(records)
         assert split["root_sessions"] == 3 and split["heldout_sessions"] >= 1 and split["train_sessions"] >= 2
@@ -263,6 +287,46 @@ def test_worse_candidate_is_not_promoted_and_rollback(lifecycle, traffic, target
     assert os.readlink(state_dir / "current") == "versions/v0001"
 
 
+def test_reshipped_requests_are_quarantined_and_the_gate_window_does_not_grow(lifecycle, traffic, target, tmp_path):
+    state_dir = copy_state(lifecycle["state"], tmp_path / "state")
+    before = state_of(state_dir)
+    # Retried log shipping: cycle 1's requests and some of cycle 2's again, in other bytes (decompressed,
+    # reordered, re-batched into other files and formats).
+    first, _ = load_trajectories(traffic(SEEDS["cycle1"]), VOCAB)
+    second, _ = load_trajectories(traffic(SEEDS["cycle2"], PREFILL), VOCAB)
+    resent = tmp_path / "resent"
+    write_trajectories(list(reversed(first)), resent / "retry-a.jsonl")
+    write_trajectories(second[:5], resent / "retry-b.parquet")
+    out = ok(retrain(*overrides(target, state_dir, [lifecycle["incoming"], resent])))
+    assert "cycle 3: quarantined_only" in out
+    rec = history_of(state_dir)[-1]
+    n = len(first) + 5
+    assert rec["requests"]["read"] == rec["requests"]["quarantined"] == n
+    assert rec["requests"]["by_reason"] == {"already_consumed": n}
+    items = [json.loads(line) for line in Path(rec["quarantine_file"]).read_text().splitlines()]
+    assert Counter(it["consumed_in"] for it in items) == {"cycle 1": len(first), "cycle 2": 5}
+    assert all("already consumed by cycle" in it["message"] for it in items)
+    # Nothing trained, nothing joined the gate's held-out window, nothing remembered twice.
+    after = state_of(state_dir)
+    sd = StateDir(state_dir)
+    window = lambda state: [f for f in (_cycle_heldout(sd, e) for e in state["cycles"]) if f]  # noqa: E731
+    assert window(after) == window(before) and len(window(after)) == 2
+    assert after["requests"] == before["requests"] and after["promoted"] == before["promoted"]
+    assert not (Path(rec["cycle_dir"]) / "train").exists()
+
+
+def test_truncated_state_file_is_named(lifecycle, target, tmp_path):
+    state_dir = copy_state(lifecycle["state"], tmp_path / "state")
+    text = (state_dir / "state.json").read_text()
+    (state_dir / "state.json").write_text(text[: len(text) // 2])
+    for extra in ([], ["--status"]):
+        result = retrain(*overrides(target, state_dir, [lifecycle["incoming"]]), *extra)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert f"{state_dir / 'state.json'} is not readable JSON" in result.stderr
+        assert "Traceback" not in result.stderr
+    assert (state_dir / "state.json").read_text() == text[: len(text) // 2]
+
+
 # --------------------------------------------------------------------------------------------------
 # A killed cycle resumes and consumes every file exactly once
 # --------------------------------------------------------------------------------------------------
@@ -287,7 +351,7 @@ def test_killed_cycle_resumes_and_consumes_each_file_once(target, traffic, tmp_p
 
     # Killed mid-training: nothing consumed, nothing promoted, the promoted drafter intact.
     state = state_of(state_dir)
-    assert state["consumed"] == {} and state["cycle"] == 0 and state["promoted"] == "v0000"
+    assert state["consumed"] == {} and state["requests"] == {} and state["cycle"] == 0 and state["promoted"] == "v0000"
     assert state["in_progress"]["cycle"] == 1
     assert sorted(f["path"] for f in state["in_progress"]["files"]) == sorted(map(str, files))
     assert os.readlink(state_dir / "current") == "versions/v0000"
@@ -312,6 +376,7 @@ def test_killed_cycle_resumes_and_consumes_each_file_once(target, traffic, tmp_p
         assert state["consumed"][str(f)]["accepted"] == len(records)
         total += len(records)
     assert rec["requests"]["read"] == rec["requests"]["accepted"] == total
+    assert len(state["requests"]) == total and set(state["requests"].values()) == {1}
     assert rec["split"]["train_requests"] + rec["split"]["heldout_requests"] == total
 
     # The next cycle neither re-reads nor double-counts anything.

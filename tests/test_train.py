@@ -2,7 +2,9 @@
 
 import json
 import os
+import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import load_drafter
 from scripts.testbed import save_tiny_target
-from train.checkpointing import list_checkpoints, read_trainer_state
+from train.checkpointing import list_checkpoints, pickle_files, read_trainer_state
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train" / "dflash.py"
@@ -103,16 +105,25 @@ def test_sigkill_at_random_step_then_resume_matches_uninterrupted(workspace, ref
 
 
 @pytest.mark.parametrize("accelerate_config", ["ddp.yaml", "deepspeed_zero2.yaml"])
-def test_distributed_two_processes(workspace, accelerate_config):
+def test_distributed_two_processes_save_and_resume(workspace, accelerate_config):
+    # On a CPU accelerate runs the DeepSpeed config as plain multi-process data parallel (it enables the
+    # DeepSpeed engine only on accelerators), so both configs write the pickle-free state here.
     out = workspace / accelerate_config.removesuffix(".yaml")
     cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / "configs" / "accelerate" / accelerate_config),
-           str(TRAIN), *_args(workspace, out, "train.max_steps=2")]
+           str(TRAIN), *_args(workspace, out, "train.max_steps=2", "train.save_every=1")]
     result = _run(cmd, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     checkpoint = list_checkpoints(out)[-1]
     assert read_trainer_state(checkpoint).step == 2
     assert (checkpoint / "drafter" / "model.safetensors").exists()
     load_drafter(checkpoint / "drafter")
+    assert {"rng-0.json", "rng-1.json", "scheduler.json", "optimizer.json"} <= {p.name for p in (checkpoint / "state").iterdir()}
+    assert not pickle_files(checkpoint)
+    shutil.rmtree(checkpoint)  # both processes resume from step 1
+    result = _run(cmd, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stdout + result.stderr
+    assert read_trainer_state(list_checkpoints(out)[-1]).step == 2
 
 
 def test_dataset_without_loss_mask_fails_before_training(workspace):
@@ -204,3 +215,106 @@ def test_reduced_head_with_target_labels_keeps_learning_curve_snapshots(workspac
     assert served.block_size == 16 and torch.equal(
         load_file(str(snapshots[-1] / "model.safetensors"))["fc.weight"],
         _final_weights(out)["fc.weight"])
+
+
+def _resumable_copy(run: Path, dst: Path) -> Path:
+    """A finished run without its newest checkpoint: a rerun resumes it from the one before."""
+    shutil.copytree(run, dst)
+    shutil.rmtree(list_checkpoints(dst)[-1])
+    return dst
+
+
+class _Exploit:
+    """Unpickling it creates a file: what a crafted checkpoint could do with a shell command instead."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_refuses_a_planted_pickle_and_stays_bit_identical(workspace, reference_run, tmp_path):
+    assert not any(pickle_files(c) for c in list_checkpoints(reference_run))  # what training writes
+    out = _resumable_copy(reference_run, tmp_path / "run")
+    marker = tmp_path / "unpickled"
+    state = list_checkpoints(out)[-1] / "state"
+    (state / "custom_checkpoint_0.pkl").write_bytes(pickle.dumps(_Exploit(marker)))  # accelerate's old scheduler file
+    (state / "notes").write_bytes(pickle.dumps(_Exploit(marker)))  # found by content, whatever its name
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out)])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "state/custom_checkpoint_0.pkl" in result.stderr and "state/notes" in result.stderr
+    assert "trust_checkpoint_pickles" in result.stderr and "Traceback" not in result.stderr
+    assert not marker.exists() and read_trainer_state(list_checkpoints(out)[-1]).step == 4
+
+    # A trusted folder resumes (a changed keep_last is accepted and logged); the pickle-free state is all
+    # a resume reads, so the planted files are still never unpickled, and the weights are bit-identical.
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, "train.trust_checkpoint_pickles=true",
+                                                      "train.keep_last=3")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = result.stdout + result.stderr
+    assert "resumed from" in logged and "train.keep_last: 2 -> 3" in logged and "trusted" in logged
+    assert not marker.exists()
+    expected, resumed = _final_weights(reference_run), _final_weights(out)
+    assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
+
+
+def test_resume_refuses_changed_settings_and_names_them(workspace, reference_run, tmp_path):
+    out = _resumable_copy(reference_run, tmp_path / "run")
+    lr = _run([sys.executable, str(TRAIN), *_args(workspace, out, "train.lr=1e-3")])
+    assert lr.returncode == 2 and "train.lr: 0.0006 -> 0.001" in lr.stderr, lr.stderr[-3000:]
+    assert "resume_allow_config_change" in lr.stderr
+    layers = _run([sys.executable, str(TRAIN), *_args(workspace, out, "drafter.num_layers=2")])
+    assert layers.returncode == 2 and "drafter.num_layers: 1 -> 2" in layers.stderr, layers.stderr[-3000:]
+    assert "Traceback" not in layers.stderr and "state_dict" not in layers.stderr
+    layers = _run([sys.executable, str(TRAIN), *_args(workspace, out, "drafter.num_layers=2",
+                                                      "train.resume_allow_config_change=true")])
+    assert layers.returncode == 2 and "architecture cannot change" in layers.stderr, layers.stderr[-3000:]
+    assert read_trainer_state(list_checkpoints(out)[-1]).step == 4
+
+    # Accepted explicitly, the new lr applies from the resumed step on (the weights are not the old run's).
+    allowed = _run([sys.executable, str(TRAIN), *_args(workspace, out, "train.lr=1e-3",
+                                                       "train.resume_allow_config_change=true")])
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "train.lr: 0.0006 -> 0.001" in allowed.stdout + allowed.stderr
+    expected, resumed = _final_weights(reference_run), _final_weights(out)
+    assert not all(torch.equal(expected[k], resumed[k]) for k in expected)
+
+
+def _all_finite(tensors: dict) -> bool:
+    return all(torch.isfinite(t.float()).all() for t in tensors.values())
+
+
+def test_diverging_run_stops_and_its_newest_checkpoint_is_finite(workspace):
+    out = workspace / "diverged"
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, "train.lr=1e30", "train.save_every=1",
+                                                      "train.keep_last=10", "train.max_nonfinite_steps=2")])
+    assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
+    assert "training diverged" in result.stderr and "Traceback" not in result.stderr
+    newest = list_checkpoints(out)[-1]
+    assert str(newest) in result.stderr and read_trainer_state(newest).step < 6
+    assert _all_finite(load_file(str(newest / "state" / "model.safetensors")))
+    assert _all_finite(load_file(str(newest / "drafter" / "model.safetensors")))
+
+
+def test_non_finite_weights_stop_the_run(workspace, reference_run, tmp_path):
+    broken = tmp_path / "nan-drafter"
+    shutil.copytree(list_checkpoints(reference_run)[-1] / "drafter", broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name][0] = float("nan")
+    save_file(weights, str(broken / "model.safetensors"))
+    out = tmp_path / "run"
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, "train.stage=finetune",
+                                                      f"train.init_from={broken}")])
+    assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
+    assert "non-finite weights" in result.stderr and "no checkpoint was written" in result.stderr
+    assert not list_checkpoints(out)
+
+
+def test_output_dir_that_is_a_file_is_refused_before_any_work(workspace, tmp_path):
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    # target.path names nothing: had the target been touched first, that would be the error.
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, a_file, f"target.path={tmp_path / 'nowhere'}")])
+    assert result.returncode == 2 and f"output_dir {a_file} exists and is not a folder" in result.stderr

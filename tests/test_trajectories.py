@@ -385,3 +385,30 @@ def test_missing_path_and_bad_vocab_raise(tmp_path):
         TrajectoryReader([tmp_path / "nope.jsonl"], VOCAB)
     with pytest.raises(ValueError):
         TrajectoryReader([tmp_path], 0)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_no_line_can_stop_the_reader(tmp_path, make_hostile_lines, suffix):
+    limit = 64 << 10
+    hostile = make_hostile_lines(60, seed=14, max_record_bytes=limit)
+    good = [json.dumps(rec(i, f"good{i % 7}")).encode() for i in range(60)]
+    rng = np.random.default_rng(14)
+    order = rng.permutation([("good", i) for i in range(60)] + [("hostile", i) for i in range(60)])
+    lines = [good[int(i)] if kind == "good" else hostile[int(i)] for kind, i in order]
+    path = tmp_path / f"mixed{suffix}"
+    with (gzip.open if suffix.endswith(".gz") else open)(path, "wb") as f:
+        f.write(b"\n".join(lines) + b"\n")
+    qpath = tmp_path / "q.jsonl"
+    reader = TrajectoryReader(path, VOCAB, quarantine_path=qpath, max_record_bytes=limit)
+    records = list(reader)
+    s = reader.summary.check()
+    assert s.accepted + s.quarantined == s.read == 120 and s.complete
+    assert sorted(r.request_id for r in records) == sorted(json.loads(g)["request_id"] for g in good)
+    items = [json.loads(line) for line in qpath.read_text().splitlines()]
+    hostile_lines = [n + 1 for n, (kind, _) in enumerate(order) if kind == "hostile"]
+    assert [it["line"] for it in items] == hostile_lines
+    assert all(it["source_file"] == str(path) and it["reason"] in REASONS for it in items)
+    for reason in ("number_too_large", "nesting_too_deep", "record_too_large", "malformed_json", "wrong_type"):
+        assert s.by_reason[reason] >= 1, s.by_reason
+    big = next(it for it in items if it["reason"] == "record_too_large")
+    assert f"{path}:{big['line']}" in big["message"] and str(limit) in big["message"]

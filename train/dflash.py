@@ -4,7 +4,10 @@
 
 Stage "general" trains on the target-regenerated mixture, stage "finetune" starts from a stage-1
 checkpoint (`train.init_from`, weights only) and trains on trajectory datasets. A run continues from
-the newest checkpoint in its output_dir (model, optimizer, scheduler, RNG, data position).
+the newest checkpoint in its output_dir (model, optimizer, scheduler, RNG, data position), after
+checking that its settings still mean the same run (train/checkpointing.py). A non-finite loss or gradient
+norm skips the step; train.max_nonfinite_steps of them in a row, or a non-finite weight, stop the run
+(exit status 3) with the last finite checkpoint as the newest.
 """
 
 from __future__ import annotations
@@ -31,12 +34,20 @@ from drafters.checkpoint import find_drafter_folder, load_drafter, save_drafter
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from train.batches import DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
-from train.checkpointing import TrainerState, latest_checkpoint, read_trainer_state, save_checkpoint
 from data.atomic_files import write_json_atomic
+from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
+                                 load_checkpoint, save_checkpoint)
 from train.features import TargetChoices, feature_source
 from train.loss import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
                         most_frequent_tokens, slot_weights)
 from train.setup import build_draft_config, cache_root, resolve_target, training_dataset
+
+
+EXIT_DIVERGED = 3
+
+
+class TrainingDiverged(RuntimeError):
+    """Non-finite losses, gradient norms or weights: the run stops; its newest checkpoint is the last finite one."""
 
 
 def parse_args(argv=None):
@@ -85,7 +96,15 @@ def train(config: PipelineConfig) -> Path:
     output_dir = Path(config.output_dir)
     log = accelerator.print
 
-    # Everything that can be refused is checked before any training work.
+    # Everything that can be refused is checked before any training work, the cheap checks first.
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"output_dir {output_dir} exists and is not a folder")
+    existing = latest_checkpoint(output_dir)
+    if existing is not None and not tc.resume:
+        raise ValueError(f"output_dir {output_dir} already holds checkpoints (newest {existing.name}) and train.resume is false; use a new output_dir")
+    if existing is not None:
+        check_config_drift(existing, config, log)
+        check_no_pickles(existing, tc.trust_checkpoint_pickles, is_deepspeed(accelerator), log)
     target_path = resolve_target(config, log)
     target_config = AutoConfig.from_pretrained(target_path)
     if tc.init_from:
@@ -96,9 +115,6 @@ def train(config: PipelineConfig) -> Path:
     else:
         draft_config = build_draft_config(config, target_path, target_config)
         drafter = DFlashDrafter(draft_config)
-    existing = latest_checkpoint(output_dir)
-    if existing is not None and not tc.resume:
-        raise ValueError(f"output_dir {output_dir} already holds checkpoints (newest {existing.name}) and train.resume is false; use a new output_dir")
     dataset = training_dataset(config, target_path, accelerator)
     check_training_dataset(dataset, str(config.data.dataset or config.train.stage), config.data.max_seq_len)
 
@@ -118,16 +134,15 @@ def train(config: PipelineConfig) -> Path:
         min_lr_rate=tc.min_lr_ratio,
     )
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    parts = {"model": drafter, "optimizer": optimizer, "scheduler": scheduler}
 
     state = TrainerState()
-    resume_from = existing
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from / "state"))
-        state = read_trainer_state(resume_from)
+    if existing is not None:
+        state = load_checkpoint(accelerator, existing, **parts)
+        _apply_config_hyperparameters(optimizer, scheduler, tc)
         # Wall time is counted per process run; a resumed run adds its own (preparation included).
         started -= state.elapsed_seconds
-        log(f"[train] resumed from {resume_from} (step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch})")
+        log(f"[train] resumed from {existing} (step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch})")
 
     if config.logging.wandb:
         os.environ.setdefault("WANDB_MODE", config.logging.wandb_mode)
@@ -152,6 +167,7 @@ def train(config: PipelineConfig) -> Path:
     pad_id = target_config.pad_token_id if isinstance(target_config.pad_token_id, int) else 0
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     window = _new_window()
+    step_finite, nonfinite_run = True, 0
 
     while state.step < total_steps:
         batches = shard_batches(epoch_batches(len(dataset), tc.batch_size, seed=tc.seed, epoch=state.epoch), rank, world)
@@ -174,11 +190,16 @@ def train(config: PipelineConfig) -> Path:
                                  gamma=gamma, kind=tc.loss, choices=choices, temperature=tc.kl_temperature, chunk_rows=tc.logits_chunk,
                                  sample_slots=generator if tc.sample_slots else None)
                 accelerator.backward(out.loss)
+                loss = out.loss.item()
+                step_finite &= math.isfinite(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            window["loss"] += out.loss.item() / tc.grad_accum
+                    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+                    step_finite = _on_every_rank(accelerator, step_finite and (grad_norm is None or math.isfinite(float(grad_norm))))
+                    if step_finite:  # DeepSpeed has stepped inside backward already; the weight check below stops it
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            if math.isfinite(loss):
+                window["loss"] += loss / tc.grad_accum
             window["correct"].append(out.slot_correct.flatten(0, 1).cpu())
             window["valid"].append(out.slot_valid.flatten(0, 1).cpu())
             window["tokens"] += int(anchor_valid.sum()) * draft_config.block_size
@@ -190,6 +211,12 @@ def train(config: PipelineConfig) -> Path:
             state.elapsed_seconds = time.perf_counter() - started
             window["steps"] += 1
             progress.update(1)
+            nonfinite_run = 0 if step_finite else nonfinite_run + 1
+            step_finite = True
+            if nonfinite_run:
+                window["nonfinite_steps"] += 1
+                log(f"[train] step {state.step}: non-finite loss or gradient norm, step skipped ({nonfinite_run} in a row)")
+            _check_divergence(drafter, state.step, nonfinite_run, tc.max_nonfinite_steps, output_dir)
             if state.step % tc.log_every == 0 or state.step == total_steps:
                 metrics = _window_metrics(window, scheduler.get_last_lr()[0], world, keep_prob)
                 window = _new_window()
@@ -202,7 +229,8 @@ def train(config: PipelineConfig) -> Path:
                 if accelerator.is_main_process:
                     write_json_atomic(snapshot / "trainer_state.json", asdict(state))
             if state.step % tc.save_every == 0 or state.step == total_steps:
-                save_checkpoint(accelerator, output_dir, state, save_serving_drafter, tc.keep_last)
+                save_checkpoint(accelerator, output_dir, state, save_serving_drafter, tc.keep_last,
+                                run_config=config.model_dump(mode="json"), **parts)
             if state.step >= total_steps:
                 break
         else:
@@ -225,8 +253,43 @@ def training_head(lm_head_weight: torch.Tensor, dataset, size: int | None, max_s
     return HeadVocabulary(lm_head_weight, ids)
 
 
+def _apply_config_hyperparameters(optimizer, scheduler, tc) -> None:
+    """The config's lr schedule and weight decay, not the checkpoint's: the same values unless
+    train.resume_allow_config_change let them change, and then they apply from the resumed step on."""
+    scheduler.base_lrs = [tc.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = tc.lr
+        group["lr"] = tc.lr * factor(scheduler.last_epoch)
+        group["weight_decay"] = tc.weight_decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _on_every_rank(accelerator, flag: bool) -> bool:
+    """flag held on every process (the ranks must agree on skipping a step)."""
+    if accelerator.num_processes == 1:
+        return flag
+    failed = accelerator.reduce(torch.tensor([0.0 if flag else 1.0], device=accelerator.device), reduction="sum")
+    return bool(failed.item() == 0)
+
+
+def _check_divergence(drafter, step: int, nonfinite_run: int, limit: int, output_dir: Path) -> None:
+    def diverged(why: str) -> TrainingDiverged:
+        newest = latest_checkpoint(output_dir)
+        kept = f"the newest checkpoint, {newest}, is the last finite one" if newest else "no checkpoint was written"
+        return TrainingDiverged(f"training diverged at step {step}: {why}; {kept}. Lower train.lr or check the data.")
+
+    if nonfinite_run >= limit:
+        raise diverged(f"the loss or gradient norm was non-finite in {nonfinite_run} steps in a row "
+                       f"(train.max_nonfinite_steps={limit})")
+    params = list(drafter.named_parameters())
+    if not bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
+        bad = [name for name, p in params if not torch.isfinite(p).all()]
+        raise diverged(f"non-finite weights in {len(bad)} tensor(s) ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+
+
 def _new_window() -> dict:
-    return {"loss": 0.0, "steps": 0, "correct": [], "valid": [], "tokens": 0, "start": time.perf_counter()}
+    return {"loss": 0.0, "steps": 0, "nonfinite_steps": 0, "correct": [], "valid": [], "tokens": 0,
+            "start": time.perf_counter()}
 
 
 def _window_metrics(window: dict, lr: float, world: int, keep_prob: torch.Tensor | None) -> dict:
@@ -234,7 +297,8 @@ def _window_metrics(window: dict, lr: float, world: int, keep_prob: torch.Tensor
     stats = acceptance_stats(correct, valid, keep_prob)
     seconds = max(time.perf_counter() - window["start"], 1e-9)
     return {
-        "loss": window["loss"] / max(window["steps"], 1),
+        "loss": window["loss"] / max(window["steps"] - window["nonfinite_steps"], 1),
+        "nonfinite_steps": window["nonfinite_steps"],
         "lr": lr,
         "sim_tau": stats["sim_tau"],
         "slot1_acc": stats["slot_accuracy"][0],
@@ -251,6 +315,9 @@ def main(argv=None) -> None:
     except (ConfigError, DatasetError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_DIVERGED) from None
 
 
 if __name__ == "__main__":

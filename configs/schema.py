@@ -110,7 +110,7 @@ class TrainConfig(Strict):
     # kl: to the target's distribution; ce: to the data tokens; ce_target: to the target's greedy tokens
     # (what greedy verification accepts; no target vocabulary projection per step once a row is seen).
     loss: Literal["kl", "ce", "ce_target"] = "kl"
-    # Train the vocabulary projection over the N tokens most frequent in the training data instead of
+    # Train the vocabulary projection over the N tokens the target emits most often on the training data instead of
     # the whole vocabulary (the projection is most of a CPU step); serving always uses the full head.
     head_vocab: int | None = Field(None, ge=2)
     kl_temperature: float = Field(1.0, gt=0)

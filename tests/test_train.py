@@ -205,6 +205,8 @@ def test_reduced_head_with_target_labels_keeps_learning_curve_snapshots(workspac
                                                       "train.snapshot_every=3")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training head: 64 of" in result.stdout
+    # a random target's choices are not the data's tokens: the head follows what the target emits
+    assert read_trainer_state(list_checkpoints(out)[-1]).metrics["loss"] > 0
     snapshots = sorted((out / "snapshots").iterdir())
     assert [p.name for p in snapshots] == ["step-000003", "step-000006"]
     states = [json.loads((p / "trainer_state.json").read_text()) for p in snapshots]

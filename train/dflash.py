@@ -161,10 +161,11 @@ def train(config: PipelineConfig) -> Path:
 
     gamma = tc.gamma or default_gamma(draft_config.block_size)
     keep_prob = slot_weights(draft_config.block_size, gamma) if tc.sample_slots else None
+    pad_id = target_config.pad_token_id if isinstance(target_config.pad_token_id, int) else 0
     needs_choices = tc.anchor_scope == "sequence" or tc.loss == "ce_target"
     choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk) if needs_choices else None
-    head_vocab = training_head(head.lm_head.weight, dataset, tc.head_vocab, config.data.max_seq_len, log)
-    pad_id = target_config.pad_token_id if isinstance(target_config.pad_token_id, int) else 0
+    head_vocab = training_head(head.lm_head.weight, tc.head_vocab, log, lambda: emitted_token_counts(
+        dataset, features_of, choices_of, tc.batch_size, config.data.max_seq_len, pad_id, head.vocab_size))
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     window = _new_window()
     step_finite, nonfinite_run = True, 0
@@ -243,14 +244,29 @@ def train(config: PipelineConfig) -> Path:
     return final / "drafter"
 
 
-def training_head(lm_head_weight: torch.Tensor, dataset, size: int | None, max_seq_len: int, log) -> HeadVocabulary:
-    """The full lm_head, or its rows for the `size` tokens most frequent in the training data."""
+def training_head(lm_head_weight: torch.Tensor, size: int | None, log, token_counts) -> HeadVocabulary:
+    """The full lm_head, or its rows for the `size` tokens the target emits most often on the training data."""
     if size is None or size >= lm_head_weight.shape[0]:
         return HeadVocabulary(lm_head_weight)
-    ids = most_frequent_tokens(dataset["input_ids"], size, lm_head_weight.shape[0], max_seq_len)
-    log(f"[train] training head: {len(ids)} of {lm_head_weight.shape[0]} vocabulary rows (the most frequent "
-        "tokens of the training data); serving uses the full head")
+    counts = token_counts()
+    ids = most_frequent_tokens(counts, size)
+    covered = float(counts[ids].sum() / counts.sum().clamp_min(1))
+    log(f"[train] training head: {len(ids)} of {lm_head_weight.shape[0]} vocabulary rows, the tokens the target "
+        f"emits most often on the training data ({covered:.1%} of its choices); serving uses the full head")
     return HeadVocabulary(lm_head_weight, ids)
+
+
+def emitted_token_counts(dataset, features_of, choices_of, batch_size: int, max_seq_len: int, pad_id: int,
+                         vocab_size: int) -> torch.Tensor:
+    """How often the target chooses each token after the training data's positions (its greedy choices:
+    the labels of ce_target and the argmax of KL). Without choices (CE to the data), the data's tokens.
+    The choices are kept per row, so training reuses them (this moves the first epoch's argmax up front)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for start in tqdm(range(0, len(dataset), batch_size), desc="head vocabulary", leave=False):
+        batch = collate(dataset, list(range(start, min(start + batch_size, len(dataset)))), max_seq_len, pad_id)
+        tokens = choices_of(batch, features_of(batch)).cpu() if choices_of else batch.input_ids
+        counts += torch.bincount(tokens[batch.attention_mask.bool()], minlength=vocab_size)[:vocab_size]
+    return counts
 
 
 def _apply_config_hyperparameters(optimizer, scheduler, tc) -> None:

@@ -103,11 +103,8 @@ class HeadVocabulary:
         return token_ids if self.index_of is None else self.index_of[token_ids]
 
 
-def most_frequent_tokens(sequences, size: int, vocab_size: int, max_seq_len: int) -> torch.Tensor:
-    """The `size` token ids that occur most often in the sequences (their first max_seq_len tokens)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ids in sequences:
-        counts += torch.bincount(torch.tensor(ids[:max_seq_len], dtype=torch.long), minlength=vocab_size)[:vocab_size]
+def most_frequent_tokens(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` token ids with the highest counts (never one that was not seen)."""
     present = int((counts > 0).sum())
     return torch.topk(counts, min(size, present)).indices
 

@@ -349,7 +349,7 @@ def regenerate(
         plus ``max_new_tokens`` exceeds the target's context.
     sort_by_length: batch prompts of similar length together (less padding).
     backend: "hf" (transformers generate, batched and left padded) or "vllm" (the serving engine:
-        continuous batching, measured faster on the CPU testbed; BENCHMARKS.md).
+        continuous batching; on the 2-core testbed it was not faster, BENCHMARKS.md).
     max_batches: stop after this many new batches, raising :class:`RegenerationInterrupted` if prompts
         remain (the finished shards stay; calling again resumes).
     """

@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 8, 14, 20, 27]
 VARIANTS = ("hooks", "hooks_no_final", "hidden_states", "causal_lm_hidden")
 
@@ -45,9 +44,8 @@ def run_variant(variant: str, tokens: int, dtype_name: str, reps: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(REPO))
     from drafters.capture import HFCapture
-    from scripts.testbed import prepare_testbed_target
+    from drafters.testbed import prepare_testbed_target
 
     dtype = getattr(torch, dtype_name)
     model = AutoModelForCausalLM.from_pretrained(prepare_testbed_target(), dtype=dtype).eval()

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs.schema import DrafterConfig  # noqa: E402
-from drafters.draft_config import build_draft_config  # noqa: E402
-from drafters.frozen_target import FrozenTargetHead  # noqa: E402
-from drafters.model import DFlashDrafter, DraftCache  # noqa: E402
-from scripts.testbed import prepare_testbed_target  # noqa: E402
+from configs.schema import DrafterConfig
+from drafters.draft_config import build_draft_config
+from drafters.frozen_target import FrozenTargetHead
+from drafters.model import DFlashDrafter, DraftCache
+from drafters.testbed import prepare_testbed_target
 
 MASK_TOKEN = 16
 

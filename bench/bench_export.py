@@ -18,21 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from configs.schema import DrafterConfig  # noqa: E402
-from drafters import contract, fp8  # noqa: E402
-from drafters.checkpoint import config_dict, save_drafter  # noqa: E402
-from drafters.draft_config import build_draft_config  # noqa: E402
-from drafters.model import DFlashDrafter  # noqa: E402
-from scripts import export  # noqa: E402
+from configs.schema import DrafterConfig
+from drafters import contract, fp8
+from drafters.checkpoint import config_dict, save_drafter
+from drafters.draft_config import build_draft_config
+from drafters.model import DFlashDrafter
+from drafters import export
 
 GOAL = 0.55
 MASK = 16
@@ -42,7 +40,7 @@ def smollm2_config():
     try:
         from transformers import AutoConfig
 
-        from scripts.testbed import prepare_testbed_target
+        from drafters.testbed import prepare_testbed_target
 
         return AutoConfig.from_pretrained(prepare_testbed_target()), "testbed target folder"
     except RuntimeError:  # testbed packages missing: the same widths by hand

@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 
@@ -89,7 +87,7 @@ def main() -> None:
     from data.prefix_tree import PrefixTree
     from data.trajectories import load_trajectories, write_trajectories
     from drafters.capture import HFCapture
-    from scripts.testbed import prepare_testbed_target
+    from drafters.testbed import prepare_testbed_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

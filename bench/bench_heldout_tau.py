@@ -44,8 +44,8 @@ def main(argv=None) -> None:
     from drafters.checkpoint import find_drafter_folder, load_drafter
     from drafters.frozen_target import FrozenTargetHead
     from eval.acceptance import parse_drafter_arg, teacher_forced_slots
-    from scripts.testbed import default_cache_dir
-    from train.loss import acceptance_stats
+    from configs.paths import default_cache_dir
+    from drafters.objective import acceptance_stats
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("drafters", nargs="+", help="[NAME=]drafter folder, checkpoint or training output_dir")

@@ -37,7 +37,7 @@ def snapshots(output_dir: Path) -> list[tuple[Path, dict]]:
 
 def score(drafter, head, features_of, rows_of) -> dict:
     from eval.acceptance import teacher_forced_slots
-    from train.loss import acceptance_stats
+    from drafters.objective import acceptance_stats
 
     out = {}
     with torch.inference_mode():
@@ -87,12 +87,12 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.bench_heldout_tau import continuations
-    from data.atomic_files import write_json_atomic
+    from common.atomic_files import write_json_atomic
     from drafters.capture import HFCapture
     from drafters.checkpoint import load_drafter
     from drafters.frozen_target import FrozenTargetHead
     from eval.acceptance import parse_drafter_arg
-    from scripts.testbed import default_cache_dir
+    from configs.paths import default_cache_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="[NAME=]training output_dir with snapshots/")

@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.prefix_tree import PrefixTree  # noqa: E402
-from data.trajectories import TrajectoryReader, TrajectoryRecord, write_trajectories  # noqa: E402
+from data.prefix_tree import PrefixTree
+from data.trajectories import TrajectoryReader, TrajectoryRecord, write_trajectories
 
 
 def _ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:

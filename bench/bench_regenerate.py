@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     from data.regenerate import SUMMARY_FILE, regenerate
 
     if args.target is None:
-        from scripts.testbed import prepare_testbed_target
+        from drafters.testbed import prepare_testbed_target
 
         target = prepare_testbed_target()
     else:

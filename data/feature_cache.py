@@ -77,7 +77,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.atomic_files import fsync_dir, write_json_atomic
+from common.atomic_files import fsync_dir, write_json_atomic
 
 __all__ = [
     "CACHE_FORMAT",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +24,8 @@ from drafters.model import DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+TRAINER_STATE = "trainer_state.json"
+STEP_DIR = re.compile(r"^step-(\d{6,})$")  # <output_dir>/checkpoints/step-000120 (train/checkpointing.py)
 
 
 def config_dict(config: Qwen3Config, dtype: torch.dtype | None = None) -> dict:
@@ -60,20 +63,42 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     return out_dir
 
 
-def find_drafter_folder(path: str | Path) -> Path:
-    """The reference-format folder behind a path: the folder itself (config.json), a training checkpoint
-    (its drafter/), or a training output_dir (its newest checkpoints/step-*/drafter)."""
-    from train.checkpointing import latest_checkpoint
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
 
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete training checkpoints of an output_dir (`checkpoints/step-NNNNNN/` with a
+    trainer_state.json), oldest first."""
+    folder = checkpoints_dir(output_dir)
+    if not folder.exists():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / TRAINER_STATE).exists()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def find_drafter_folder(path: str | Path) -> Path:
+    """The one rule for naming a drafter: the reference-format folder behind a path, which may be the
+    folder itself (config.json; an FP8 export is one too), a training checkpoint (its drafter/), or a
+    training output_dir (its newest checkpoints/step-*/drafter). The folder must hold the weights."""
     path = Path(path)
     if (path / CONFIG_NAME).is_file():
-        return path
-    if (path / "drafter" / CONFIG_NAME).is_file():
-        return path / "drafter"
-    if (path / "checkpoints").is_dir() and latest_checkpoint(path) is not None:
-        return latest_checkpoint(path) / "drafter"
-    raise FileNotFoundError(f"{path} is not a drafter folder (no {CONFIG_NAME}), a training checkpoint "
-                            f"(no drafter/{CONFIG_NAME}) or a training output_dir (no checkpoints/step-*)")
+        folder = path
+    elif (path / "drafter" / CONFIG_NAME).is_file():
+        folder = path / "drafter"
+    elif (path / "checkpoints").is_dir() and latest_checkpoint(path) is not None:
+        folder = latest_checkpoint(path) / "drafter"
+    else:
+        raise FileNotFoundError(f"{path} is not a drafter folder (no {CONFIG_NAME}), a training checkpoint "
+                                f"(no drafter/{CONFIG_NAME}) or a training output_dir (no checkpoints/step-*)")
+    if not (folder / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"{folder} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
+    return folder
 
 
 def load_draft_config(path: str | Path) -> Qwen3Config:

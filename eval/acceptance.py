@@ -94,8 +94,6 @@ def resolve_drafter(arg: str) -> DrafterSpec:
     except FileNotFoundError as err:
         raise EvalError(f"drafter {name!r}: {err}") from None
     kind = "reference" if folder == path else "checkpoint"
-    if not (folder / "model.safetensors").is_file():
-        raise EvalError(f"drafter {name!r}: {folder} has config.json but no model.safetensors")
     config = json.loads((folder / "config.json").read_text())
     if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
         kind = "fp8"
@@ -234,7 +232,7 @@ def teacher_forced_slots(drafter, head, features: torch.Tensor, sequence: torch.
     decoding); slot k is right when the draft argmax equals the token at a + k. Returns (slot_correct,
     slot_valid), each [N, B-1], or None when the continuation has fewer than 2 tokens.
     """
-    from train.loss import block_loss, block_targets, default_gamma
+    from drafters.objective import block_loss, block_targets, default_gamma
 
     seq_len = sequence.shape[1]
     if seq_len - 1 <= n_prompt:
@@ -347,7 +345,7 @@ def prepare(drafter_args: list[str], settings: EvalSettings, log=print):
                         "(name them with name=path)")
 
     if settings.target is None:
-        from scripts.testbed import prepare_testbed_target
+        from drafters.testbed import prepare_testbed_target
 
         target_path = prepare_testbed_target(Path(settings.cache_dir) if settings.cache_dir else None)
     else:
@@ -427,7 +425,7 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
     from drafters.frozen_target import FrozenTargetHead
     from eval import report as report_mod
     from eval.reference import load_reference_model, reference_generate
-    from train.loss import acceptance_stats
+    from drafters.objective import acceptance_stats
 
     dtype = DTYPES[settings.dtype]
     out_dir = Path(settings.out)

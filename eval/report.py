@@ -102,7 +102,7 @@ def markdown(report: dict) -> str:
     if drafters and any("sim_tau" in c["methods"][d] for c in cats.values() for d in drafters):
         lines += ["## Cheap estimate vs real decoding", "",
                   "Simulated tau: teacher forcing on the target's own continuations (blocks anchored at every "
-                  "position, `train.loss.acceptance_stats`) vs tau measured by decoding.", ""]
+                  "position, `drafters.objective.acceptance_stats`) vs tau measured by decoding.", ""]
         lines.append("| category | " + " | ".join(f"{d} (sim / real)" for d in drafters) + " |")
         lines.append("|---|" + "---|" * len(drafters))
         for cat, c in cats.items():

@@ -18,7 +18,7 @@ from drafters.draft_config import build_draft_config
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter, DraftCache
 from drafters.spec_decode import generate
-from scripts.testbed import prepare_testbed_target
+from drafters.testbed import prepare_testbed_target
 
 TOL = 1e-5  # fp32 logits, ours vs the reference implementation (same math, measured 0 here)
 SMOL_MASK = 16  # choose_mask_token_id(SmolLM2 tokenizer, 49152): <empty_output>

@@ -8,7 +8,7 @@ from configs.schema import DrafterConfig
 from drafters.blocks import block_input_ids, block_positions, sample_anchors, training_attention_mask
 from drafters.draft_config import build_draft_config
 from drafters.model import DFlashDrafter, DraftCache
-from train.loss import block_targets
+from drafters.objective import block_targets
 
 H, K, B, VOCAB, MASK = 64, 3, 4, 300, 299
 TOL = 1e-5  # fp32: the training and inference paths run the same ops in a different batching

@@ -27,8 +27,8 @@ from eval.acceptance import EvalError, EvalSettings, evaluate, load_spec, main, 
 from eval.prompt_lookup import lookup_generate, propose, target_generate
 from eval.reference import load_reference_model
 from eval.traces import TraceError
-from scripts.testbed import prepare_testbed_target, tiny_llama_target
-from train.loss import block_loss, block_targets, default_gamma
+from drafters.testbed import prepare_testbed_target, tiny_llama_target
+from drafters.objective import block_loss, block_targets, default_gamma
 
 SMOL_MASK = 16
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -157,7 +157,7 @@ def test_bad_inputs_are_refused_before_decoding(smol, random_drafter, tmp_path):
 
 
 def test_drafter_kinds_resolve_and_fp8_reference_copy_matches(smol, random_drafter, tmp_path):
-    from scripts.export import export_drafter
+    from drafters.export import export_drafter
 
     _, target_config, _ = smol
     ckpt = tmp_path / "run" / "checkpoints" / "step-000010"

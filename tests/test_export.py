@@ -18,8 +18,8 @@ from drafters.checkpoint import load_drafter, save_drafter
 from drafters.contract import ContractError
 from drafters.draft_config import build_draft_config
 from drafters.model import DFlashDrafter
-from scripts import export
-from scripts.testbed import tiny_llama_target
+from drafters import export
+from drafters.testbed import tiny_llama_target
 
 REPO = Path(__file__).resolve().parents[1]
 MASK = 49_151
@@ -281,7 +281,7 @@ def test_cli_on_a_training_checkpoint_writes_the_model_card(sources, tmp_path):
 def test_fp8_is_about_half_the_bf16_size_at_the_testbed_shape(tmp_path):
     """SmolLM2 shape (hidden 576, intermediate 1536, 2 draft layers, 5 target layers). The bf16 q/k/v and
     norms put the ratio above one half: ratio = 1/2 + (bf16 share of the parameters) / 2."""
-    from scripts.testbed import prepare_testbed_target
+    from drafters.testbed import prepare_testbed_target
 
     target_config = AutoConfig.from_pretrained(prepare_testbed_target())
     src = save_drafter(random_drafter(target_config), tmp_path / "src")

@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from train.loss import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
+from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
                         most_frequent_tokens, slot_weights, target_choices)
 
 

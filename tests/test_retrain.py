@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from data.trajectories import load_trajectories, write_trajectories
-from scripts.retrain import StateDir, _cycle_heldout, discover, is_heldout, new_state, session_roots
+from retraining.cycle import StateDir, _cycle_heldout, discover, is_heldout, new_state, session_roots
 
 REPO = Path(__file__).resolve().parents[1]
 RETRAIN = REPO / "scripts" / "retrain.py"
@@ -89,7 +89,7 @@ def copy_state(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    from scripts.testbed import prepare_testbed_target, save_tiny_target
+    from drafters.testbed import prepare_testbed_target, save_tiny_target
 
     smol = prepare_testbed_target()
     folder = save_tiny_target("llama", tmp_path_factory.mktemp("retrain") / "target")
@@ -105,7 +105,7 @@ def traffic(target, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from data.chat_masks import load_tokenizer
-    from scripts.simulate_agentic import SimConfig, simulate
+    from simulator.simulate import SimConfig, simulate
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     made: dict = {}

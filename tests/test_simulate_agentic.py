@@ -19,7 +19,7 @@ from data.chat_masks import encode, render
 from data.prefix_tree import build_prefix_tree
 from data.sources import load_code, split_documents
 from data.trajectories import load_trajectories
-from scripts.simulate_agentic import SimConfig, Workspace, log_path, main, parse_range, simulate
+from simulator.simulate import SimConfig, Workspace, log_path, main, parse_range, simulate
 
 VOCAB = 49_152
 SYSTEM = "You are a coding agent. Tools: read_file, list_dir, grep, run, task. One tool call per turn."

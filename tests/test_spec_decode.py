@@ -15,7 +15,7 @@ from drafters.draft_config import build_draft_config
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from drafters.spec_decode import accept_sampled, generate
-from scripts.testbed import tiny_llama_target
+from drafters.testbed import tiny_llama_target
 
 B, NEW = 8, 48
 PROMPT = torch.tensor([[5, 90, 123, 77, 400, 12, 9, 300]])

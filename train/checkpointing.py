@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,8 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from configs.schema import ConfigError, PipelineConfig
+from drafters.checkpoint import STEP_DIR, checkpoints_dir, latest_checkpoint, list_checkpoints  # noqa: F401  (the layout)
 
-STEP_DIR = re.compile(r"^step-(\d{6,})$")
 RUN_CONFIG = "run_config.json"
 PICKLE_SUFFIXES = {".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt"}
 # Settings a resume may change: where and how often things are written or logged, and what only other
@@ -56,23 +55,6 @@ class TrainerState:
     batch_in_epoch: int = 0    # micro-batches of this epoch already consumed
     elapsed_seconds: float = 0.0  # wall time of the run so far, data and feature preparation included
     metrics: dict = field(default_factory=dict)
-
-
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    folder = checkpoints_dir(output_dir)
-    if not folder.exists():
-        return []
-    found = [p for p in folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "trainer_state.json").exists()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
 
 
 def read_trainer_state(checkpoint: Path) -> TrainerState:

@@ -34,11 +34,11 @@ from drafters.checkpoint import find_drafter_folder, load_drafter, save_drafter
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from train.batches import DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
-from data.atomic_files import write_json_atomic
+from common.atomic_files import write_json_atomic
 from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
                                  load_checkpoint, save_checkpoint)
 from train.features import TargetChoices, feature_source
-from train.loss import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
+from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
                         most_frequent_tokens, slot_weights)
 from train.setup import build_draft_config, cache_root, resolve_target, training_dataset
 

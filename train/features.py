@@ -53,7 +53,7 @@ def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: P
 def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], accelerator, cache_root: Path):
     from train.setup import load_target_model
 
-    with_final = config.train.loss in ("kl", "ce_target") or config.train.anchor_scope == "sequence"
+    with_final = config.drafters.objective in ("kl", "ce_target") or config.train.anchor_scope == "sequence"
     if config.features.mode == "online":
         target = load_target_model(config, target_path, accelerator.device)
         capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)
@@ -81,7 +81,7 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
 
 
 class TargetChoices:
-    """Per dataset row, the target's greedy next token after every position (train.loss.target_choices).
+    """Per dataset row, the target's greedy next token after every position (drafters.objective.target_choices).
 
     Computed from the batch's final hidden states the first time a row is seen and kept (an int32 per
     token): later epochs skip that vocabulary projection. Each row is computed alone, unpadded, so the
@@ -94,7 +94,7 @@ class TargetChoices:
 
     def __call__(self, batch: Batch, captured: Captured) -> torch.Tensor:
         """[Bsz, T] long (padding: -1)."""
-        from train.loss import target_choices
+        from drafters.objective import target_choices
 
         lengths = batch.attention_mask.sum(1).tolist()
         for b, i in enumerate(batch.indices):

@@ -15,7 +15,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def cache_root(config: PipelineConfig) -> Path:
-    from scripts.testbed import default_cache_dir
+    from configs.paths import default_cache_dir
 
     return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
 
@@ -23,7 +23,7 @@ def cache_root(config: PipelineConfig) -> Path:
 def resolve_target(config: PipelineConfig, log=print) -> Path:
     """The target folder; None in the config means the embedded testbed target, prepared on demand."""
     if config.target.path is None:
-        from scripts.testbed import prepare_testbed_target
+        from drafters.testbed import prepare_testbed_target
 
         return prepare_testbed_target(cache_root(config))
     path = Path(config.target.path)

@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
-
 
 from configs.schema import DrafterConfig
 from drafters.draft_config import build_draft_config

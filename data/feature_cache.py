@@ -18,51 +18,12 @@ Two producers, one on-disk format, one reader:
 * :class:`FeatureCacheReader` - lazy, memory-mapped (safetensors ``safe_open``, open handles cached),
   dequantises to the requested dtype, and refuses a dataset the cache was not built from.
 
-On-disk layout (``out_dir/``)
------------------------------
-``index.json``
-    ``format`` / ``version`` / ``kind`` (rows | tree) / ``complete``; ``dtype`` (bf16 | fp8);
-    ``layer_ids``, ``hidden_size``, ``num_layers_selected`` (K); ``shard_tokens``; ``target`` (capture
-    class, name/path, model type, layer count, widths, parameter dtype); ``capture`` (batch or chunk
-    settings, the HF dataset ``_fingerprint`` for information); ``dataset`` (rows: ``num_rows``,
-    ``total_tokens``, ``fingerprint`` = blake2b of every row's input ids, in order) or
-    ``tree`` (``num_edges``, ``unique_tokens``, ``num_leaves``, ``fingerprint`` over edge structure and
-    tokens, per-edge ``parent`` / ``start`` / ``length`` arrays and ``leaves`` = leaf edge ids in DFS
-    order); ``shards``: one entry per COMPLETED shard ``{"file", "first", "lengths", "tokens",
-    "bytes"}``: the shard holds segments ``first .. first+len(lengths)-1`` (rows or edges) in order,
-    segment j at token offset ``sum(lengths[:j])``. So row -> (shard, offset, length) is explicit
-    (:meth:`FeatureCacheReader.locate`); the per-row table is stored per shard as lengths to keep the
-    index small (it is rewritten after every shard).
-``shard-00000.safetensors`` ...
-    ``selected`` ``[tokens, K*H]`` and ``final_hidden`` ``[tokens, H]`` (bf16, or float8_e4m3fn), for fp8
-    also ``selected_scale`` ``[tokens, K]`` and ``final_scale`` ``[tokens, 1]`` (float32), and
-    ``input_ids`` ``[tokens]`` (int32, lets the reader verify what it serves). Header metadata repeats
-    ``kind``, ``first`` and ``lengths``.
-
-FP8: float8_e4m3fn with a float32 scale per token and per tensor = amax / 448, where each of the K
-layers in ``selected`` is its own tensor (layers differ in magnitude by orders: one scale over the
-concatenation would flush the small early layers into e4m3 subnormals) and ``final_hidden`` is one.
-Error bound per element: ``|x - deq(q(x))| <= 2**-4 * |x| + 2**-10 * scale`` (3 mantissa bits,
-round to nearest: half an ulp is 2**-4 relative for normals; below the smallest normal 2**-6 * scale
-the subnormal step is 2**-9 * scale).
-
-Crash safety and resume
------------------------
-Each shard is written to a temp file in ``out_dir``, fsynced and ``os.replace``-d into place; then the
-index (with that shard appended) is written the same way. Shard boundaries are a pure function of the
-segment lengths and ``shard_tokens`` (a shard closes once it holds >= shard_tokens tokens), so a
-killed run that is started again with the same arguments finds the completed shards in the index,
-deletes anything not listed there (temp files, a shard renamed but not yet indexed) and continues
-with the next segment: no duplicated or missing rows. ``stop_after_shards`` makes a run stop exactly
-like a crash right after an index update (for tests). A lock file prevents two concurrent writers.
-Arguments that change the content (dtype, layers, shard_tokens, dataset, target) must match the
-existing index, otherwise a clear error is raised (``overwrite=True`` starts over).
+The on-disk format, crash safety and resume are described in data/FEATURE_CACHE_FORMAT.md.
 """
 
 from __future__ import annotations
 
 import copy
-import fcntl
 import hashlib
 import json
 import os
@@ -77,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.atomic_files import fsync_dir, write_json_atomic
+from common.atomic_files import atomic_path, write_json_atomic
+from common.locks import FileLock
 
 __all__ = [
     "CACHE_FORMAT",
@@ -103,7 +65,7 @@ CACHE_VERSION = 1
 INDEX_FILE = "index.json"
 LOCK_FILE = ".lock"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-DTYPES = ("bf16", "fp8")
+CACHE_DTYPES = ("bf16", "fp8")  # how features are stored
 # Index keys whose values must agree for a resume (everything that changes what the shards hold).
 _COMPAT_KEYS = ("format", "version", "kind", "dtype", "layer_ids", "hidden_size", "num_layers_selected",
                 "shard_tokens", "target", "dataset", "tree")
@@ -148,7 +110,7 @@ def feature_bytes_per_token(num_layers_selected: int, hidden_size: int, dtype: s
         return (k + 1) * h * 2 + 4
     if dtype == "fp8":
         return (k + 1) * h + (k + 1) * 4 + 4
-    raise ValueError(f"unknown cache dtype {dtype!r} (expected one of {DTYPES})")
+    raise ValueError(f"unknown cache dtype {dtype!r} (expected one of {CACHE_DTYPES})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,39 +169,16 @@ def tree_fingerprint(edges: Iterable[Any]) -> str:
 # Atomic files
 # ---------------------------------------------------------------------------------------------------
 
-def _tmp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.{os.getpid()}.tmp")
-
-
 def _save_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
     from safetensors.torch import save_file
 
-    tmp = _tmp_name(path)
-    save_file(tensors, str(tmp), metadata=metadata)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
     return path.stat().st_size
 
 
-class _DirLock:
-    def __init__(self, out_dir: Path):
-        self.path = out_dir / LOCK_FILE
-        self.fd: int | None = None
-
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise RuntimeError(f"another process is writing the feature cache in {self.path.parent}") from None
-        return self
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+def _dir_lock(out_dir: Path) -> FileLock:
+    return FileLock(out_dir / LOCK_FILE, f"another process is writing the feature cache in {out_dir}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -400,8 +339,8 @@ def _short(value: Any, limit: int = 120) -> str:
 
 
 def _header(kind: str, capture, dtype: str, shard_tokens: int) -> dict:
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown cache dtype {dtype!r} (expected one of {DTYPES})")
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"unknown cache dtype {dtype!r} (expected one of {CACHE_DTYPES})")
     if shard_tokens < 1:
         raise ValueError("shard_tokens must be >= 1")
     layer_ids = list(capture.layer_ids)
@@ -491,7 +430,7 @@ def write_feature_cache(
                          "hf_fingerprint": getattr(dataset, "_fingerprint", None)}
     t0 = time.perf_counter()
     padded = 0
-    with _DirLock(out):
+    with _dir_lock(out):
         index = _open_or_create(out, header, overwrite)
         plan = _plan_shards(lengths, shard_tokens)
         sink = _ShardSink(out, index, dtype, len(capture.layer_ids), progress, len(lengths))
@@ -708,7 +647,7 @@ def write_tree_feature_cache(
     header["capture"] = {"chunk_tokens": chunk_tokens, "strategy": strategy}
     stats = TreeCaptureStats()
     t0 = time.perf_counter()
-    with _DirLock(out):
+    with _dir_lock(out):
         index = _open_or_create(out, header, overwrite)
         sink = _ShardSink(out, index, dtype, len(capture.layer_ids), progress, num_edges)
         if not index["complete"]:

@@ -39,7 +39,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from common.atomic_files import atomic_file, atomic_path
 
 __all__ = [
     "REQUIRED_FIELDS",
@@ -413,17 +414,16 @@ class IngestSummary:
 
 
 class _QuarantineWriter:
-    """Writes quarantine items as JSONL to ``path + '.tmp'``, renamed onto ``path`` when closed."""
+    """Writes quarantine items as JSONL to a temporary file, moved onto ``path`` when closed."""
 
     def __init__(self, path: str | os.PathLike | None):
         self.path = None if path is None else Path(path)
         self._fh = None
-        self._tmp = None
+        self._file = None
         self.lines = 0
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._tmp = self.path.with_name(self.path.name + f".tmp-{os.getpid()}")
-            self._fh = open(self._tmp, "w", encoding="utf-8")
+            self._file = atomic_file(self.path, "w")
+            self._fh = self._file.__enter__()
 
     def write(self, item: QuarantineItem) -> None:
         if self._fh is not None:
@@ -433,11 +433,8 @@ class _QuarantineWriter:
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
             self._fh = None
-            os.replace(self._tmp, self.path)
+            self._file.__exit__(None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -960,13 +957,10 @@ def write_trajectories(
     """
     path = Path(path)
     fmt = _format_of(path, format)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     n = 0
-    try:
+    with atomic_path(path) as tmp:
         if fmt == "parquet":
-            n = _write_parquet(records, tmp, row_group_size)
+            n = _write_parquet(records, str(tmp), row_group_size)
         else:
             opener = (
                 (lambda: gzip.open(tmp, "wt", encoding="utf-8", compresslevel=compresslevel))
@@ -978,15 +972,6 @@ def write_trajectories(
                     f.write(json.dumps(_coerce(rec).to_json_dict(), separators=(",", ":"), ensure_ascii=False))
                     f.write("\n")
                     n += 1
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
     return n
 
 

@@ -9,16 +9,14 @@ folder is built under a temporary name next to the destination and moved into pl
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from common.atomic_files import atomic_folder
 from drafters.draft_config import build_target_layer_ids, choose_mask_token_id, validate_target  # noqa: F401  (public API)
 from drafters.model import DFlashDrafter
 
@@ -47,19 +45,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu", dtype or t.dtype).contiguous() for name, t in drafter.state_dict().items()}
     stored_dtype = dtype or next(iter(state.values())).dtype
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_folder(out_dir) as tmp:
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config_dict(drafter.config, stored_dtype), indent=2, sort_keys=True) + "\n")
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-            os.replace(out_dir, old / "x")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

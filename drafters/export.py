@@ -27,21 +27,19 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.atomic_files import atomic_folder, make_readable
 from drafters import contract, fp8
 from drafters.checkpoint import find_drafter_folder
 from drafters.contract import CONFIG_NAME, WEIGHTS_NAME, ContractError
 
 README_NAME = "README.md"
-DTYPES = ("fp8", "bf16")
+EXPORT_DTYPES = ("fp8", "bf16")  # serving formats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,26 +155,11 @@ def model_card(cfg: dict, dtype: str, out: str, info: dict, sizes: dict) -> str:
 # export
 # ---------------------------------------------------------------------------------------------
 
-def _place(tmp: Path, out: Path, overwrite: bool) -> None:
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-    os.replace(out, old / "x")
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old / "x", out)
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def export_drafter(ckpt: str | Path, out: str | Path, dtype: str = "fp8", model_card_info=None,
                    overwrite: bool = False, allow_unaligned: bool = False) -> dict:
     """Check, convert and atomically write an export. Returns a summary dict. Raises ContractError."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     src = find_drafter_folder(ckpt)
     out = Path(out)
     info = read_model_card_info(model_card_info)
@@ -208,22 +191,14 @@ def export_drafter(ckpt: str | Path, out: str | Path, dtype: str = "fp8", model_
     contract.check_tensors(tensors, cfg, dtype)
 
     # 3. Write next to OUT, check the files, move into place.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         del tensors
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         sizes = {"weights_bytes": (tmp / WEIGHTS_NAME).stat().st_size}
         (tmp / README_NAME).write_text(model_card(cfg, dtype, str(out), info, sizes))
         checked = contract.check_folder(tmp, dtype)
-        # mkdtemp makes a 0700 folder; a serving process under another user must be able to read it.
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        _place(tmp, out, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        make_readable(tmp)  # a serving process under another user must be able to read it
     return {"source": str(src), "out": str(out), "dtype": dtype, "tensors": checked["tensors"],
             "weights_bytes": sizes["weights_bytes"], "folder_bytes": checked["bytes"],
             "fp8_alignment_problems": contract.fp8_alignment_problems(cfg) if dtype == "fp8" else []}
@@ -233,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", type=Path, help="drafter folder, or a training checkpoint holding drafter/")
     parser.add_argument("out", type=Path, help="export folder to create")
-    parser.add_argument("--dtype", choices=DTYPES, required=True)
+    parser.add_argument("--dtype", choices=EXPORT_DTYPES, required=True)
     parser.add_argument("--model-card-info", default=None, help="JSON object or JSON file: target, data, tau {category: value}")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
     parser.add_argument("--allow-unaligned", action="store_true",

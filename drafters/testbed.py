@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from common.atomic_files import atomic_folder
 from configs.paths import default_cache_dir
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,18 +119,11 @@ def prepare_testbed_target(cache_dir: Path | None = None, force: bool = False) -
     started = time.perf_counter()
     print(f"[testbed] converting {GGUF_FILE} -> {target_dir}", flush=True)
     gguf_model, tokenizer = _load_gguf_model()
-    target_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{TESTBED_TARGET_NAME}.", dir=target_dir.parent))
-    try:
+    with atomic_folder(target_dir) as tmp_dir:
         _convert(gguf_model, tokenizer, tmp_dir)
         report = verify_target(tmp_dir, gguf_model)
         report["seconds"] = round(time.perf_counter() - started, 1)
         (tmp_dir / VERIFIED_MARKER).write_text(json.dumps(report, indent=2))
-        if target_dir.exists():
-            shutil.rmtree(target_dir)
-        os.replace(tmp_dir, target_dir)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
     print(f"[testbed] verified: {report}", flush=True)
     return target_dir
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from common.dtypes import TORCH_DTYPES
 from drafters.checkpoint import find_drafter_folder, load_drafter
 from eval.prompt_lookup import Decoded, lookup_generate, target_generate
 from eval.traces import CATEGORIES, TraceError, TraceSet, agentic_traces, heldout_traces
@@ -39,7 +40,7 @@ from eval.traces import CATEGORIES, TraceError, TraceSet, agentic_traces, heldou
 TARGET = "target"
 LOOKUP = "prompt_lookup"
 RESERVED_NAMES = {TARGET, LOOKUP, "all"}
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+EVAL_DTYPES = ("bf16", "bfloat16", "float32", "fp32")  # names of TORCH_DTYPES that eval runs in
 SIM_ANCHOR_CHUNK = 64  # anchors per teacher-forced forward (bounds the block attention's memory)
 REPORT_VERSION = 1
 
@@ -292,7 +293,7 @@ def summarize(runs: list[Decoded], target_runs: list[Decoded], block_size: int |
 # --------------------------------------------------------------------------------------------------
 
 
-def _stop_ids(tokenizer, target) -> list[int]:
+def target_stop_ids(tokenizer, target) -> list[int]:
     ids: set[int] = set()
     for value in (getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None,
                   getattr(getattr(target, "generation_config", None), "eos_token_id", None),
@@ -328,8 +329,8 @@ def prepare(drafter_args: list[str], settings: EvalSettings, log=print):
 
     from drafters.draft_config import text_config
 
-    if settings.dtype not in DTYPES:
-        raise EvalError(f"dtype must be one of {sorted(DTYPES)}, got {settings.dtype!r}")
+    if settings.dtype not in EVAL_DTYPES:
+        raise EvalError(f"dtype must be one of {sorted(EVAL_DTYPES)}, got {settings.dtype!r}")
     unknown = [c for c in settings.categories if c not in CATEGORIES]
     if unknown or not settings.categories:
         raise EvalError(f"trace categories must be a non-empty subset of {CATEGORIES}, got {settings.categories}")
@@ -427,7 +428,7 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
     from eval.reference import load_reference_model, reference_generate
     from drafters.objective import acceptance_stats
 
-    dtype = DTYPES[settings.dtype]
+    dtype = TORCH_DTYPES[settings.dtype]
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -441,7 +442,7 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
     if settings.reference_subset > 0:
         for s in specs:
             references[s.name] = load_reference_model(s.folder, dtype, fp8=s.kind == "fp8", ours=drafters[s.name])
-    stop_ids = _stop_ids(tokenizer, target)
+    stop_ids = target_stop_ids(tokenizer, target)
     lookup_draft = settings.lookup_num_draft
     if lookup_draft is None:
         lookup_draft = (specs[0].block_size - 1) if specs else 15
@@ -673,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts per category cross-checked with z-lab's dflash_generate (default: config eval.reference_subset)")
     p.add_argument("--out", default=None, help="report folder (default: <output_dir>/eval with --config, else outputs/eval)")
     p.add_argument("--config", default=None, help="pipeline YAML (configs/*.yaml); dotted overrides may follow")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+    p.add_argument("--dtype", default="float32", choices=sorted(EVAL_DTYPES),
                    help="target and drafter dtype (default float32: exact greedy comparisons; bfloat16 is faster on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-chars", type=int, default=2000, help="held-out prompt size in characters")

@@ -30,19 +30,12 @@ report.json (version 1), top-level keys:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from common.atomic_files import write_text_atomic
 
 PLOTS = ("tau_by_category.png", "slot_acceptance.png")
 TESTBED_CALIBRATION = {"code": 1.43, "prose": 1.27}  # prompt lookup, z-lab decoder, 128 new tokens (facts)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def label(report: dict, method: str) -> str:
@@ -226,10 +219,10 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "report.json", "md": out_dir / "report.md",
              "tau_plot": out_dir / PLOTS[0], "slot_plot": out_dir / PLOTS[1]}
-    _atomic_write(paths["json"], json.dumps(report, indent=2, default=str) + "\n")
+    write_text_atomic(paths["json"], json.dumps(report, indent=2, default=str) + "\n")
     plot_tau(report, paths["tau_plot"])
     plot_slots(report, paths["slot_plot"])
-    _atomic_write(paths["md"], markdown(report))
+    write_text_atomic(paths["md"], markdown(report))
     return paths
 
 

@@ -32,21 +32,19 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from configs.schema import ConfigError, PipelineConfig, load_config  # noqa: E402
-from common.atomic_files import fsync_dir, write_json_atomic  # noqa: E402
+from common.atomic_files import atomic_folder, fsync_dir, make_readable, write_json_atomic
+from common.locks import Busy, FileLock
+from configs.schema import ConfigError, PipelineConfig, load_config
 
 STATE_FORMAT = 1
 SESSION_ROOT_TTL_CYCLES = 168  # remembered sub-agent -> root session links expire after this many cycles
@@ -55,10 +53,6 @@ EXIT_BUSY = 75  # EX_TEMPFAIL: another cycle holds the lock
 
 class RetrainError(ValueError):
     """A configuration or state problem that stops the cycle before it changes anything."""
-
-
-class Busy(RuntimeError):
-    """Another retrain process holds the state-dir lock."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -112,26 +106,11 @@ def swap_symlink(link: Path, target: str) -> None:
     fsync_dir(link.parent)
 
 
-def make_readable(root: Path) -> None:
-    """mkdtemp folders are 0700: let a serving process under another user read a version."""
-    for folder, _dirs, names in os.walk(root):
-        os.chmod(folder, 0o755)
-        for name in names:
-            os.chmod(os.path.join(folder, name), 0o644)
-
-
 def copy_tree_atomic(src: Path, dst: Path) -> Path:
     """Copy a folder under a temp name next to ``dst`` and rename it into place (replacing ``dst``)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        shutil.copytree(src, tmp / "x")
-        make_readable(tmp / "x")
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp / "x", dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_folder(dst) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        make_readable(tmp)
     return dst
 
 
@@ -186,33 +165,9 @@ def save_state(sd: StateDir, state: dict) -> None:
     write_json_atomic(sd.state, state)
 
 
-class Lock:
-    """flock on ``state_dir/.lock``; released by the kernel when the process dies (even by SIGKILL)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.fd: int | None = None
-
-    def __enter__(self) -> "Lock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(self.fd)
-            self.fd = None
-            if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise Busy(f"another retrain cycle holds {self.path}; not starting a second one") from None
-            raise
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"{os.getpid()}\n".encode())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+def state_lock(sd: StateDir) -> FileLock:
+    """One cycle (or rollback) at a time per state dir."""
+    return FileLock(sd.lock, "another retrain cycle is running; not starting a second one")
 
 
 def commit(sd: StateDir, state: dict) -> None:
@@ -525,7 +480,7 @@ def run_cycle(config: PipelineConfig, log=print) -> dict:
     if not rc.incoming:
         raise RetrainError("retrain.incoming lists no folder or file to read new trajectory logs from")
     sd = StateDir(rc.state_dir)
-    with Lock(sd.lock):
+    with state_lock(sd):
         state = load_state(sd)
         repair(sd, state, log)
         return _run_cycle_locked(config, sd, state, log)
@@ -697,10 +652,8 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
         dataset = tree.to_dataset(max_seq_len=config.data.max_seq_len)
         if rc.shuffle_training_tokens:
             dataset = shuffle_tokens(dataset, config.data.seed + cycle)
-        tmp = cdir / ".dataset.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        dataset.save_to_disk(str(tmp))
-        os.replace(tmp, dataset_dir)
+        with atomic_folder(dataset_dir) as tmp:
+            dataset.save_to_disk(str(tmp))
     from datasets import load_from_disk
 
     from train.batches import DatasetError, check_training_dataset
@@ -848,7 +801,7 @@ def _cleanup_after(cdir: Path, config: PipelineConfig, record: dict) -> dict:
 
 def rollback(config: PipelineConfig, version: str, log=print) -> dict:
     sd = StateDir(config.retrain.state_dir)
-    with Lock(sd.lock):
+    with state_lock(sd):
         state = load_state(sd)
         repair(sd, state, log)
         if version not in state["versions"]:

@@ -86,8 +86,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from common.atomic_files import write_text_atomic
+from common.dtypes import TORCH_DTYPES
 from data.chat_masks import encode, load_tokenizer, prompt_ids, render
-from data.regenerate import _batch_seed, _eos_ids
+from data.generation import BatchGenerator
 from data.sources import DEFAULT_HELDOUT_FRACTION, Document, load_code, split_documents, stdlib_dir
 from data.trajectories import TrajectoryRecord, write_trajectories
 
@@ -390,38 +392,24 @@ class Workspace:
 
 
 class _Generator:
-    """Batched left-padded generation with the target (the same way ``data.regenerate`` generates)."""
+    """The target's batched generation (data.generation, as regeneration generates), cut at each prompt's limit
+    and end of turn, with the counts the summary reports."""
 
     def __init__(self, model, tokenizer, temperature: float, seed: int):
-        self.model, self.tokenizer = model, tokenizer
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.batch = BatchGenerator(model, tokenizer, temperature, seed, top_p=1.0, top_k=0)
+        self.eos_ids = self.batch.eos_ids
         self.eos_set = set(self.eos_ids)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.temperature, self.seed = float(temperature), int(seed)
-        self.seconds = 0.0
         self.generated = 0
         self.prefill = 0
 
+    @property
+    def seconds(self) -> float:
+        return self.batch.seconds
+
     def __call__(self, prompts: list[list[int]], limits: list[int], keys: list[str]) -> list[tuple[list[int], bool]]:
         """Generate for each prompt; returns (generated ids incl. EOS if produced, finished)."""
-        import torch
-
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        kwargs: dict[str, Any] = {"max_new_tokens": max(limits), "eos_token_id": self.eos_ids,
-                                  "pad_token_id": self.pad_id}
-        if self.temperature > 0:
-            torch.manual_seed(_batch_seed(self.seed, keys))
-            kwargs.update(do_sample=True, temperature=self.temperature, top_p=1.0, top_k=0)
-        else:
-            kwargs.update(do_sample=False)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
-        self.seconds += time.perf_counter() - t0
         results = []
-        for row, limit in zip(out[:, width:].tolist(), limits):
+        for row, limit in zip(self.batch.generate(prompts, max(limits), keys), limits):
             row = row[:limit]
             cut = next((k for k, t in enumerate(row) if t in self.eos_set), None)
             gen = row if cut is None else row[: cut + 1]
@@ -849,9 +837,7 @@ def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bo
     if model is None:
         from transformers import AutoModelForCausalLM
 
-        torch_dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-                       "fp32": torch.float32}[config.dtype]
-        model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch_dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(target), dtype=TORCH_DTYPES[config.dtype]).eval()
     max_positions = getattr(model.config, "max_position_embeddings", None)
     longest = config.context_cap + max(config.tool_tokens, config.summary_tokens) + 512
     if max_positions is not None and longest > max_positions:
@@ -891,9 +877,7 @@ def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bo
     }
     summary["logged_tokens_per_wall_second"] = round(summary["logged_tokens"] / wall, 1) if wall else None
     spath = summary_path(out_dir, config)
-    tmp = spath.with_name(f".{spath.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, spath)
+    write_text_atomic(spath, json.dumps(summary, indent=2) + "\n")
     return SimResult(path=path, summary_path=spath, summary=summary, records=records, files_read=files_read)
 
 

@@ -19,7 +19,6 @@ state/ is accelerate's save_state there, and resuming a DeepSpeed run needs that
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.atomic_files import replace_folder
 from configs.schema import ConfigError, PipelineConfig
 from drafters.checkpoint import STEP_DIR, checkpoints_dir, latest_checkpoint, list_checkpoints  # noqa: F401  (the layout)
 
@@ -163,9 +163,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, state: TrainerState, sa
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
         (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_folder(tmp, final)
         for old in list_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()

@@ -7,12 +7,10 @@ from pathlib import Path
 import torch
 from datasets import Dataset, load_from_disk
 
+from common.dtypes import TORCH_DTYPES
 from configs.schema import PipelineConfig
 from drafters.draft_config import build_draft_config as _build_draft_config
 from drafters.draft_config import choose_mask_token_id
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def cache_root(config: PipelineConfig) -> Path:
     from configs.paths import default_cache_dir
@@ -49,7 +47,7 @@ def build_draft_config(config: PipelineConfig, target_path: Path, target_config)
 def load_target_model(config: PipelineConfig, target_path: Path, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": DTYPES[config.target.dtype]}
+    kwargs = {"dtype": TORCH_DTYPES[config.target.dtype]}
     if config.target.device_map is not None and device.type != "cpu":
         kwargs["device_map"] = config.target.device_map
     model = AutoModelForCausalLM.from_pretrained(target_path, **kwargs)

@@ -1,0 +1,69 @@
+"""Batched generation with the target: left-padded prompts, greedy or seeded sampling, one call per batch.
+Regeneration (data.regenerate) and the agentic simulator (simulator/) both generate this way."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def batch_seed(seed: int, ids: Sequence[str]) -> int:
+    h = hashlib.sha256(f"{seed}\0".encode() + "\0".join(ids).encode()).digest()
+    return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def end_of_turn_ids(model, tokenizer) -> list[int]:
+    """End-of-turn ids: the generation config's (of a loaded model, or a model folder) and the tokenizer's."""
+    if isinstance(model, (str, Path)):
+        from transformers import GenerationConfig
+
+        try:
+            generation_config = GenerationConfig.from_pretrained(str(model))
+        except OSError:  # no generation_config.json: the tokenizer's eos only
+            generation_config = None
+    else:
+        generation_config = model.generation_config
+    ids: list[int] = []
+    configured = getattr(generation_config, "eos_token_id", None)
+    if configured is not None:
+        ids += list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    if not ids:
+        raise ValueError("neither the target's generation_config nor its tokenizer defines an eos token")
+    return ids
+
+
+class BatchGenerator:
+    """`generate(prompts, max_new_tokens, keys)`: the new tokens of each prompt (up to max_new_tokens, padding
+    after an end of turn included). Sampling is seeded per batch from `seed` and the batch's keys, so a batch
+    gives the same tokens whenever it is generated again."""
+
+    def __init__(self, model, tokenizer, temperature: float, seed: int, *, top_p: float = 1.0, top_k: int = 0):
+        self.model = model
+        self.eos_ids = end_of_turn_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.temperature, self.seed = float(temperature), int(seed)
+        self.sampling: dict[str, Any] = (
+            {"do_sample": True, "temperature": self.temperature, "top_p": float(top_p), "top_k": int(top_k)}
+            if self.temperature > 0 else {"do_sample": False})
+        self.seconds = 0.0  # spent in generate()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, keys: Sequence[str]) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        if self.temperature > 0:
+            torch.manual_seed(batch_seed(self.seed, keys))
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id, **self.sampling)
+        self.seconds += time.perf_counter() - started
+        return out[:, width:].tolist()
+

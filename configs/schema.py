@@ -35,7 +35,7 @@ class DrafterConfig(Strict):
     # Reference convention: id i = OUTPUT of 0-based target layer i (HF hidden_states[i + 1]).
     # None: the reference formula build_target_layer_ids(num_target_layers, num_target_features).
     target_layer_ids: list[int] | None = None
-    # None: chosen from the target's tokenizer (see drafters.checkpoint.choose_mask_token_id).
+    # None: chosen from the target's tokenizer (see drafters.draft_config.choose_mask_token_id).
     mask_token_id: int | None = None
     # Widths default to the target's; hidden_size always equals the target's.
     intermediate_size: int | None = None
@@ -117,7 +117,7 @@ class TrainConfig(Strict):
     # Slot weights exp(-(k-1)/gamma); None picks the paper's value for the block size (7 for 16).
     gamma: float | None = None
     # Keep slot k with probability w_k instead of weighting it: the same loss in expectation for fewer
-    # vocabulary projections (44% of them at gamma 7, block 16); train/loss.py block_loss.
+    # vocabulary projections (44% of them at gamma 7, block 16); drafters/objective.py block_loss.
     sample_slots: bool = False
     # Anchor-slot rows per vocabulary projection chunk: bounds the live logits to chunk x vocab.
     logits_chunk: int = Field(1024, ge=1)
@@ -158,7 +158,7 @@ class LoggingConfig(Strict):
 
 
 class RetrainConfig(Strict):
-    """scripts/retrain.py: one continuous-retraining cycle per run (see scripts/RETRAIN.md)."""
+    """retraining/ (scripts/retrain.py): one continuous-retraining cycle per run (see scripts/RETRAIN.md)."""
 
     # Folders (searched recursively) or files where new trajectory logs arrive.
     incoming: list[str] = []

@@ -35,6 +35,20 @@ def snapshots(output_dir: Path) -> list[tuple[Path, dict]]:
     return found
 
 
+def lookup_hits(sequence: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    """[N] bool per continuation anchor a (as teacher_forced_slots orders them): prompt lookup's first
+    drafted token after a is the target's next token. Splits slot-1 accuracy into copyable positions
+    (the context already holds the answer) and the rest."""
+    from eval.prompt_lookup import propose
+
+    tokens = sequence[0].tolist()
+    hits = []
+    for a in range(n_prompt, len(tokens) - 1):
+        proposal = propose(tokens[: a + 1], num_draft=1)
+        hits.append(bool(proposal) and proposal[0] == tokens[a + 1])
+    return torch.tensor(hits, dtype=torch.bool)
+
+
 def score(drafter, head, features_of, rows_of) -> dict:
     from eval.acceptance import teacher_forced_slots
     from drafters.objective import acceptance_stats
@@ -42,14 +56,19 @@ def score(drafter, head, features_of, rows_of) -> dict:
     out = {}
     with torch.inference_mode():
         for category, rows in rows_of.items():
-            correct, valid = [], []
+            correct, valid, copyable = [], [], []
             for index, (sequence, n_prompt) in enumerate(rows):
                 slots = teacher_forced_slots(drafter, head, features_of(category, index), sequence, n_prompt)
                 if slots is not None:
                     correct.append(slots[0])
                     valid.append(slots[1])
+                    copyable.append(lookup_hits(sequence, n_prompt))
             stats = acceptance_stats(torch.cat(correct), torch.cat(valid))
-            out[category] = {"sim_tau": round(stats["sim_tau"], 4), "slot1": round(stats["slot_accuracy"][0], 4)}
+            slot1, copyable = torch.cat(correct)[:, 0], torch.cat(copyable)
+            out[category] = {"sim_tau": round(stats["sim_tau"], 4), "slot1": round(stats["slot_accuracy"][0], 4),
+                             "copyable_share": round(float(copyable.float().mean()), 4),
+                             "slot1_copyable": round(float(slot1[copyable].float().mean()), 4) if copyable.any() else None,
+                             "slot1_other": round(float(slot1[~copyable].float().mean()), 4) if (~copyable).any() else None}
     return out
 
 
@@ -80,7 +99,24 @@ def table(results: dict) -> str:
         for p in sorted(points.values(), key=lambda p: p["minutes"]):
             cells = " | ".join(f"{p['scores'][c]['sim_tau']:.3f} | {p['scores'][c]['slot1']:.3f}" for c in CATEGORIES)
             lines.append(f"| {run} | {p['step']} | {p['minutes']:.1f} | {cells} |")
+    split = [p for points in results.values() for p in points.values() if "slot1_copyable" in p["scores"][CATEGORIES[0]]]
+    if split:
+        lines += ["", "Slot-1 accuracy where prompt lookup's first token is right (copyable: the context holds the "
+                  "answer) and elsewhere (share of copyable positions in brackets):", "",
+                  "| run | step | " + " | ".join(f"{c} copyable | {c} other" for c in CATEGORIES) + " |",
+                  "|" + "---|" * (2 + 2 * len(CATEGORIES))]
+        for run, points in results.items():
+            for p in sorted(points.values(), key=lambda p: p["minutes"]):
+                if "slot1_copyable" not in p["scores"][CATEGORIES[0]]:
+                    continue
+                cells = " | ".join(f"{_fmt(p['scores'][c]['slot1_copyable'])} ({p['scores'][c]['copyable_share']:.2f}) | "
+                                   f"{_fmt(p['scores'][c]['slot1_other'])}" for c in CATEGORIES)
+                lines.append(f"| {run} | {p['step']} | {cells} |")
     return "\n".join(lines) + "\n"
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main(argv=None) -> None:

@@ -53,6 +53,13 @@ class BatchGenerator:
         self.seconds = 0.0  # spent in generate()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, keys: Sequence[str]) -> list[list[int]]:
+        return self.generate_with_features(prompts, max_new_tokens, keys, tap=None)[0]
+
+    def generate_with_features(self, prompts: list[list[int]], max_new_tokens: int, keys: Sequence[str], tap
+                               ) -> tuple[list[list[int]], "GeneratedFeatures | None"]:
+        """generate(), and with `tap` (a drafters.capture.HFCapture on this model) the target features of
+        every prompt and generated token, recorded from the forwards generation runs anyway: the prefill,
+        each decode step, and one step more for the last token (generation never feeds it back)."""
         import torch
 
         width = max(len(p) for p in prompts)
@@ -61,9 +68,35 @@ class BatchGenerator:
         if self.temperature > 0:
             torch.manual_seed(batch_seed(self.seed, keys))
         started = time.perf_counter()
+        features = None
         with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id, **self.sampling)
+            if tap is None:
+                sequences = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, **self.sampling)
+            else:
+                with tap.record_forwards() as forwards:
+                    out = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                              eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+                                              return_dict_in_generate=True, **self.sampling)
+                    sequences = out.sequences
+                    # generate() attends to every generated column (padding after an end of turn too).
+                    mask = torch.cat([attention, torch.ones(len(prompts), sequences.shape[1] - width, dtype=attention.dtype)], 1)
+                    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+                    tap.decode_step(sequences[:, -1:], mask, mask.sum(1, keepdim=True) - 1, cache)
+                features = GeneratedFeatures(torch.cat([f.selected for f in forwards], 1),
+                                             torch.cat([f.final_hidden for f in forwards], 1), width)
         self.seconds += time.perf_counter() - started
-        return out[:, width:].tolist()
+        return sequences[:, width:].tolist(), features
+
+
+class GeneratedFeatures:
+    """Target features over a generated batch's columns: [B, width + generated, ...], prompts left padded."""
+
+    def __init__(self, selected, final_hidden, width: int):
+        self.selected, self.final_hidden, self.width = selected, final_hidden, width
+
+    def row(self, b: int, num_prompt_tokens: int, num_generated: int):
+        """(selected [T, K*H], final_hidden [T, H]) of row b's prompt and its first num_generated tokens."""
+        span = slice(self.width - num_prompt_tokens, self.width + num_generated)
+        return self.selected[b, span], self.final_hidden[b, span]
 

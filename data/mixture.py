@@ -83,17 +83,31 @@ def mixture_key(config: PipelineConfig, target_path: Path) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path) -> Dataset:
+def mixture_dir(config: PipelineConfig, target_path: Path, cache_root: Path) -> Path:
+    return Path(cache_root) / "datasets" / f"mixture-{mixture_key(config, target_path)}"
+
+
+def regenerated_features(config: PipelineConfig, target_path: Path, cache_root: Path, layer_ids: list[int]):
+    """The target features regeneration kept for these layers (data/regenerated_features.py), or None."""
+    from data.regenerated_features import RegeneratedFeatures, features_dir
+
+    folder = features_dir(mixture_dir(config, target_path, cache_root), layer_ids)
+    return RegeneratedFeatures(folder) if folder.is_dir() else None
+
+
+def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
+                  feature_layers: list[int] | None = None) -> Dataset:
+    """feature_layers: keep those target layers' features while regenerating, for the feature cache."""
     from data.regenerate import regenerate
 
     mixture = config.data.mixture
-    out_dir = Path(cache_root) / "datasets" / f"mixture-{mixture_key(config, target_path)}"
+    out_dir = mixture_dir(config, target_path, cache_root)
     prompts = mixture_prompts(config)
     print(f"[data] general mixture: {len(prompts)} prompts -> {out_dir}", flush=True)
     regenerated = regenerate(
         prompts, target_path, out_dir, batch_size=mixture.generation_batch_size, max_new_tokens=mixture.max_new_tokens,
         temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
-        dtype=config.target.dtype, backend=mixture.generation_backend,
+        dtype=config.target.dtype, backend=mixture.generation_backend, feature_layers=feature_layers,
     )
     if not mixture.prefilled_samples:
         return regenerated

@@ -11,6 +11,7 @@ Layout of ``out_dir``::
 
     dataset/            final `datasets` dataset (save_to_disk, Arrow); load with load_regenerated()
     work/               resumable state: config.json, shard-NNNNNN.parquet (one per finished batch)
+    features-<layers>/  with feature_layers: the target features of each batch's rows (regenerated_features.py)
     quarantine.jsonl    prompts that were not regenerated, one JSON line each with a reason
     summary.json        counts and throughput of the last call
 
@@ -39,6 +40,7 @@ from common.dtypes import TORCH_DTYPES
 from common.locks import FileLock
 from data.generation import BatchGenerator, end_of_turn_ids
 from data.chat_masks import PromptLike, build_from_generation, prompt_field, prompt_ids
+from data.regenerated_features import features_dir, write_batch_features
 
 DATASET_DIR = "dataset"
 WORK_DIR = "work"
@@ -179,17 +181,20 @@ VLLM_PROMPTS_PER_CALL = 256
 
 
 def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, seed: int):
-    """(generate(batch) -> response ids per prompt, eos ids) for the chosen backend."""
+               top_p: float, top_k: int, seed: int, feature_layers: list[int] | None):
+    """(generate(batch) -> (response ids per prompt, GeneratedFeatures or None), eos ids) for the backend."""
     if backend == "vllm":
         return _vllm_generator(target_path, tokenizer, torch_dtype, max_new_tokens, temperature, top_p, top_k, seed)
     from transformers import AutoModelForCausalLM
 
+    from drafters.capture import HFCapture
+
     model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype).eval()
     generator = BatchGenerator(model, tokenizer, temperature, seed, top_p=top_p, top_k=top_k)
+    tap = HFCapture(model, feature_layers) if feature_layers else None
 
-    def generate(batch: list[_Prompt]) -> list[list[int]]:
-        return generator.generate([p.ids for p in batch], max_new_tokens, [p.id for p in batch])
+    def generate(batch: list[_Prompt]):
+        return generator.generate_with_features([p.ids for p in batch], max_new_tokens, [p.id for p in batch], tap)
 
     return generate, generator.eos_ids
 
@@ -214,9 +219,9 @@ def _vllm_generator(target_path: Path, tokenizer, torch_dtype, max_new_tokens: i
                             stop_token_ids=eos_ids, detokenize=False, skip_special_tokens=False,
                             seed=seed if temperature > 0 else None)
 
-    def generate(batch: list[_Prompt]) -> list[list[int]]:
+    def generate(batch: list[_Prompt]):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p.ids) for p in batch], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return [list(o.outputs[0].token_ids) for o in outs], None
 
     return generate, eos_ids
 
@@ -240,6 +245,7 @@ def regenerate(
     num_threads: int | None = None,
     progress: bool = True,
     backend: str = "hf",
+    feature_layers: list[int] | None = None,
 ):
     """Regenerate every prompt's response with the target at ``target_path``; return the final dataset.
 
@@ -256,6 +262,9 @@ def regenerate(
         continuous batching; on the 2-core testbed it was not faster, BENCHMARKS.md).
     max_batches: stop after this many new batches, raising :class:`RegenerationInterrupted` if prompts
         remain (the finished shards stay; calling again resumes).
+    feature_layers: also keep these target layers' features (and the final hidden state) of every row,
+        from the forwards generation runs anyway (hf backend), for the feature cache to reuse
+        (data/regenerated_features.py).
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -354,7 +363,7 @@ def regenerate(
 
         if pending:
             generate, eos_ids = _generator(backend, target_path, tokenizer, torch_dtype, max_new_tokens, temperature,
-                                           top_p, top_k, seed)
+                                           top_p, top_k, seed, feature_layers)
             eos_set = set(eos_ids)
             if backend == "vllm":
                 # The engine batches continuously: hand it many prompts per call, one shard per call.
@@ -367,10 +376,10 @@ def regenerate(
                         raise RegenerationInterrupted(len(done_ids), len(pending) - start)
                     batch = pending[start:start + batch_size]
                     t0 = time.perf_counter()
-                    responses = generate(batch)
+                    responses, batch_features = generate(batch)
                     gen_time += time.perf_counter() - t0
-                    rows = []
-                    for p, row in zip(batch, responses):
+                    rows, row_features = [], []
+                    for b, (p, row) in enumerate(zip(batch, responses)):
                         cut = next((k for k, t in enumerate(row) if t in eos_set), None)
                         generated = row if cut is None else row[:cut + 1]
                         seq = build_from_generation(p.ids, generated)
@@ -378,7 +387,12 @@ def regenerate(
                                      "input_ids": seq.input_ids, "loss_mask": seq.loss_mask,
                                      "finished": cut is not None, "num_generated": len(generated),
                                      "num_prompt_tokens": len(p.ids)})
+                        if batch_features is not None:
+                            row_features.append((seq.input_ids, *batch_features.row(b, len(p.ids), len(generated))))
                         generated_tokens += len(generated)
+                    if row_features:  # before the token shard: a shard on disk always has its features
+                        write_batch_features(features_dir(out_dir, feature_layers) / f"shard-{next_shard:06d}.safetensors",
+                                             row_features)
                     _write_shard(work / f"shard-{next_shard:06d}.parquet", rows)
                     next_shard += 1
                     new_batches += 1

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -60,12 +61,17 @@ class HFCapture(FeatureCapture):
         self._store: dict = {}
         self._recording = False
         self._stop_after: int | None = None
+        self._forwards: list[Captured] | None = None  # set inside record_forwards()
+        # Optional lookup: a row's token ids -> its Captured [T, ...] computed earlier (regeneration keeps
+        # them), or None. capture() then runs the target only on the rows it does not know.
+        self.known_features = None
+        self.reused_tokens = self.computed_tokens = 0
         hooked = {i for i in self.layer_ids if i < self.num_layers - 1}
         self._handles = [self.decoder.layers[i].register_forward_hook(self._layer_hook(i)) for i in sorted(hooked)]
         self._handles.append(self.decoder.norm.register_forward_hook(self._norm_hook))
         # transformers >= 5.24 renamed the decoder's past_key_values argument to cache.
         params = inspect.signature(self.decoder.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def _keep(self, key, output):
         if self._recording:
@@ -81,6 +87,25 @@ class HFCapture(FeatureCapture):
 
     def _norm_hook(self, module, args, output):
         self._keep("final", output)
+        if self._forwards is not None:  # the norm runs last: one whole forward is in the store
+            self._forwards.append(self._collect(self._store, with_final=True))
+            self._store = {}
+
+    def _collect(self, store: dict, with_final: bool) -> Captured:
+        last = self.num_layers - 1
+        final = store.get("final")
+        selected = torch.cat([final if i == last else store[i] for i in self.layer_ids], dim=-1)
+        return Captured(selected, final if with_final else None)
+
+    @contextmanager
+    def record_forwards(self) -> Iterator[list[Captured]]:
+        """Inside the block, every forward of the model appends its Captured to the yielded list: the
+        prefill and each decode step of `model.generate`, so generated tokens need no second pass."""
+        self._forwards, self._store, self._recording = [], {}, True
+        try:
+            yield self._forwards
+        finally:
+            self._forwards, self._store, self._recording = None, {}, False
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -96,6 +121,11 @@ class HFCapture(FeatureCapture):
         last needed layer (final_hidden is then None). Outputs are plain (not inference-mode) tensors,
         so they can feed a trained module.
         """
+        if self.known_features is not None and past_key_values is None and position_ids is None:
+            return self._capture_reusing(input_ids, attention_mask, with_final)
+        return self._run(input_ids, attention_mask, past_key_values, position_ids, with_final)
+
+    def _run(self, input_ids, attention_mask, past_key_values, position_ids, with_final: bool) -> Captured:
         last = self.num_layers - 1
         stop_early = not with_final and past_key_values is None and last not in self.layer_ids
         self._stop_after = max(self.layer_ids) if stop_early else None
@@ -106,16 +136,45 @@ class HFCapture(FeatureCapture):
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=past_key_values is not None,
-                **{self._cache_kwarg: past_key_values},
+                **{self.cache_kwarg: past_key_values},
             )
         except _StopForward:
             pass
         finally:
             self._recording = False
         store, self._store = self._store, {}
-        final = store.get("final")
-        selected = torch.cat([final if i == last else store[i] for i in self.layer_ids], dim=-1)
-        return Captured(selected, final if with_final else None)
+        return self._collect(store, with_final)
+
+    def _capture_reusing(self, input_ids, attention_mask, with_final: bool) -> Captured:
+        """Right-padded rows: known rows from the lookup, the rest through the target in one batch."""
+        lengths = [input_ids.shape[1]] * len(input_ids) if attention_mask is None else attention_mask.sum(1).tolist()
+        rows = [input_ids[b, :n] for b, n in enumerate(lengths)]
+        known = [self.known_features(row) for row in rows]
+        missing = [b for b, k in enumerate(known) if k is None]
+        if missing:
+            width = max(lengths[b] for b in missing)
+            ids = torch.zeros(len(missing), width, dtype=input_ids.dtype)
+            mask = torch.zeros(len(missing), width, dtype=torch.long)
+            for j, b in enumerate(missing):
+                ids[j, : lengths[b]], mask[j, : lengths[b]] = rows[b], 1
+            out = self._run(ids, None if bool(mask.all()) else mask.to(ids.device), None, None, with_final)
+            for j, b in enumerate(missing):
+                known[b] = Captured(out.selected[j, : lengths[b]], out.final_hidden[j, : lengths[b]] if with_final else None)
+            self.computed_tokens += sum(lengths[b] for b in missing)
+        self.reused_tokens += sum(n for b, n in enumerate(lengths) if b not in missing)
+        width, sample = input_ids.shape[1], known[0]
+        selected = sample.selected.new_zeros(len(rows), width, sample.selected.shape[-1], device=self.output_device)
+        final = sample.selected.new_zeros(len(rows), width, self.decoder.norm.weight.shape[0], device=self.output_device) if with_final else None
+        for b, k in enumerate(known):
+            selected[b, : lengths[b]] = k.selected
+            if final is not None:
+                final[b, : lengths[b]] = k.final_hidden
+        return Captured(selected, final)
+
+    def decode_step(self, input_ids, attention_mask, position_ids, cache) -> None:
+        """One more decoder forward extending `cache` (inside record_forwards(): recorded like a decode step)."""
+        self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                     **{self.cache_kwarg: cache})
 
     def capture_with_cache(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None):
         """capture() that creates the DynamicCache if needed and returns it: (Captured, cache)."""

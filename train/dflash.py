@@ -115,7 +115,7 @@ def train(config: PipelineConfig) -> Path:
     else:
         draft_config = build_draft_config(config, target_path, target_config)
         drafter = DFlashDrafter(draft_config)
-    dataset = training_dataset(config, target_path, accelerator)
+    dataset = training_dataset(config, target_path, accelerator, drafter.target_layer_ids)
     check_training_dataset(dataset, str(config.data.dataset or config.train.stage), config.data.max_seq_len)
 
     head = FrozenTargetHead.from_pretrained(target_path, dtype=torch.bfloat16, device=accelerator.device)

@@ -70,14 +70,29 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
         if accelerator.is_main_process and not complete:
             target = load_target_model(config, target_path, accelerator.device)
             capture = make_capture(config.target.backend, target, layer_ids)
+            known = _regenerated(config, target_path, layer_ids, cache_root)
+            if known is not None:
+                capture.known_features = known.lookup
             accelerator.print(f"[features] offline cache ({config.features.cache_dtype}) -> {out_dir}")
             write_feature_cache(dataset, capture, out_dir, dtype=config.features.cache_dtype,
                                 shard_tokens=config.features.shard_tokens, pad_token_id=0)
+            if known is not None:
+                accelerator.print(f"[features] {capture.reused_tokens} tokens' features kept from regeneration, "
+                                  f"{capture.computed_tokens} computed by the target")
             capture.remove()  # the hooks reference the model: drop them so the target can be freed
             del capture, target
             gc.collect()
     reader = FeatureCacheReader(out_dir, dataset)
     return OfflineFeatures(reader, accelerator.device, config.data.max_seq_len, with_final)
+
+
+def _regenerated(config: PipelineConfig, target_path: Path, layer_ids: list[int], cache_root: Path):
+    """Features the mixture's regeneration kept (stage 1 on the general mixture only)."""
+    if config.data.dataset is not None or config.train.stage != "general":
+        return None
+    from data.mixture import regenerated_features
+
+    return regenerated_features(config, target_path, cache_root, layer_ids)
 
 
 class TargetChoices:

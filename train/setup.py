@@ -56,8 +56,11 @@ def load_target_model(config: PipelineConfig, target_path: Path, device: torch.d
     return model.eval().requires_grad_(False)
 
 
-def training_dataset(config: PipelineConfig, target_path: Path, accelerator) -> Dataset:
-    """The dataset of this stage: a prepared one, the regenerated mixture, or trajectory trees."""
+def training_dataset(config: PipelineConfig, target_path: Path, accelerator, layer_ids: list[int] | None = None) -> Dataset:
+    """The dataset of this stage: a prepared one, the regenerated mixture, or trajectory trees.
+
+    layer_ids: the drafter's target layers; with the offline feature cache, regeneration keeps their
+    features so that the cache does not run the target over regenerated tokens again."""
     if config.data.dataset is not None:
         path = Path(config.data.dataset)
         if not path.exists():
@@ -67,7 +70,8 @@ def training_dataset(config: PipelineConfig, target_path: Path, accelerator) -> 
         if config.train.stage == "general":
             from data.mixture import build_mixture
 
-            return build_mixture(config, target_path, cache_root(config))
+            keep = layer_ids if config.features.mode == "offline" else None
+            return build_mixture(config, target_path, cache_root(config), feature_layers=keep)
         from data.trajectory_dataset import build_trajectory_dataset
 
         return build_trajectory_dataset(config, target_path, cache_root(config))

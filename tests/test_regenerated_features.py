@@ -1,0 +1,83 @@
+"""Features kept during regeneration equal a separate capture, and the feature cache reuses them.
+
+Real SmolLM2-135M-Instruct target, fp32 (so incremental decoding and one full forward agree to float
+rounding), a few prompts of different lengths in one left-padded batch, some stopping early.
+"""
+
+import pytest
+import torch
+from datasets import Dataset, concatenate_datasets
+
+from data.feature_cache import FeatureCacheReader, write_feature_cache
+from data.regenerate import regenerate
+from data.regenerated_features import RegeneratedFeatures, features_dir, row_key
+from drafters.capture import HFCapture
+
+LAYERS = [1, 14, 29]  # 29 is the last layer: its id returns the final-norm output
+PROMPTS = [
+    {"id": "capital", "category": "chat", "source": "test",
+     "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"id": "code", "category": "code", "source": "test",
+     "messages": [{"role": "user", "content": "Write a Python function that reverses a string, with a docstring."}]},
+    {"id": "yes", "category": "chat", "source": "test",
+     "messages": [{"role": "user", "content": "Answer with one word: is water wet?"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def model(testbed_target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(testbed_target), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def regenerated(testbed_target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("regen")
+    dataset = regenerate(PROMPTS, testbed_target, out, batch_size=3, max_new_tokens=24, dtype="float32",
+                         progress=False, feature_layers=LAYERS)
+    return out, dataset
+
+
+def test_kept_features_equal_a_separate_capture(regenerated, model):
+    out, dataset = regenerated
+    assert len(set(dataset["finished"])) == 2, "the batch should hold rows that stopped early and rows cut at the limit"
+    known = RegeneratedFeatures(features_dir(out, LAYERS))
+    assert len(known) == len(dataset)
+    capture = HFCapture(model, LAYERS)
+    for row in dataset:
+        ids = torch.tensor(row["input_ids"])
+        kept = known.lookup(ids)
+        fresh = capture.capture(ids[None])
+        assert kept.selected.shape == fresh.selected[0].shape
+        # Every position, the last generated token included (generation never feeds it back itself).
+        torch.testing.assert_close(kept.selected, fresh.selected[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kept.final_hidden, fresh.final_hidden[0], rtol=1e-4, atol=1e-4)
+    assert known.lookup(torch.tensor(dataset[0]["input_ids"][:-1])) is None
+
+
+def test_feature_cache_runs_the_target_only_on_rows_it_does_not_know(regenerated, model, tmp_path):
+    out, dataset = regenerated
+    extra = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]})
+    mixed = concatenate_datasets([dataset.select_columns(["input_ids"]), extra])
+    reusing = HFCapture(model, LAYERS)
+    reusing.known_features = RegeneratedFeatures(features_dir(out, LAYERS)).lookup
+    write_feature_cache(mixed, reusing, tmp_path / "reused", progress=False, batch_size=4)
+    plain = HFCapture(model, LAYERS)
+    write_feature_cache(mixed, plain, tmp_path / "plain", progress=False, batch_size=4)
+
+    regenerated_tokens = sum(len(r) for r in dataset["input_ids"])
+    assert reusing.reused_tokens == regenerated_tokens
+    assert reusing.computed_tokens == 7 + 3
+    with FeatureCacheReader(tmp_path / "reused", mixed) as a, FeatureCacheReader(tmp_path / "plain", mixed) as b:
+        for i in range(len(mixed)):
+            sel_a, fin_a = a.get(i, dtype=torch.float32)
+            sel_b, fin_b = b.get(i, dtype=torch.float32)
+            torch.testing.assert_close(sel_a, sel_b, rtol=2e-2, atol=2e-2)  # the cache stores bf16
+            torch.testing.assert_close(fin_a, fin_b, rtol=2e-2, atol=2e-2)
+
+
+def test_row_key_depends_on_every_token():
+    assert row_key([1, 2, 3]) == row_key(torch.tensor([1, 2, 3]))
+    assert row_key([1, 2, 3]) != row_key([1, 2, 4])
+    assert row_key([1, 2, 3]) != row_key([1, 2, 3, 0])

@@ -201,7 +201,7 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
 
 def test_reduced_head_with_target_labels_keeps_learning_curve_snapshots(workspace):
     out = workspace / "reduced_head"
-    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, "drafters.objective=ce_target", "train.head_vocab=64",
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, "train.loss=ce_target", "train.head_vocab=64",
                                                       "train.snapshot_every=3")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training head: 64 of" in result.stdout

@@ -53,7 +53,7 @@ def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: P
 def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], accelerator, cache_root: Path):
     from train.setup import load_target_model
 
-    with_final = config.drafters.objective in ("kl", "ce_target") or config.train.anchor_scope == "sequence"
+    with_final = config.train.loss in ("kl", "ce_target") or config.train.anchor_scope == "sequence"
     if config.features.mode == "online":
         target = load_target_model(config, target_path, accelerator.device)
         capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)

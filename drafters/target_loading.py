@@ -44,12 +44,16 @@ def load_target_tokenizer(path: str | Path, trust_remote_code: bool = False):
                  lambda: AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code))
 
 
-def load_target_model(path: str | Path, *, dtype, device_map=None, trust_remote_code: bool = False):
-    """The frozen target: eval mode, no gradients; `device_map` ("auto", a device, a dict) shards it."""
+def load_target_model(path: str | Path, *, dtype, device_map=None, trust_remote_code: bool = False,
+                      offload_folder: str | Path | None = None):
+    """The frozen target: eval mode, no gradients; `device_map` ("auto", a device, a dict) shards it, and
+    modules mapped to "disk" are paged in from `offload_folder`."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if offload_folder is not None:
+        kwargs["offload_folder"] = str(offload_folder)
     model = _load("model", path, trust_remote_code, lambda: AutoModelForCausalLM.from_pretrained(str(path), **kwargs))
     return model.eval().requires_grad_(False)

@@ -177,6 +177,8 @@ class EvalSettings:
     threads: int | None = None
     trust_remote_code: bool = False        # config target.trust_remote_code
     thinking: bool | None = None           # config data.thinking: the chat template's thinking switch
+    # config target.device_map: shard the target in-process ("auto", or {module: device}; "disk" pages in).
+    device_map: str | dict | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -425,10 +427,9 @@ def choose_threads(requested: int | None) -> int:
 
 def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, settings: EvalSettings, log) -> dict:
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
-
     from drafters.capture import HFCapture
     from drafters.frozen_target import FrozenTargetHead
+    from drafters.target_loading import load_target_model
     from eval import report as report_mod
     from eval.reference import load_reference_model, reference_generate
     from train.loss import acceptance_stats
@@ -440,9 +441,15 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
 
     log(f"[eval] target {target_path} ({settings.dtype}); drafters: {[s.name for s in specs] or 'none'}; "
         + ", ".join(f"{c}: {len(ts.traces)} prompts" for c, ts in trace_sets.items()))
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval().requires_grad_(False)
-    head = FrozenTargetHead.from_model(target)
-    drafters = {s.name: load_spec(s, dtype, target_config) for s in specs}
+    target = load_target_model(target_path, dtype=dtype, device_map=settings.device_map,
+                               trust_remote_code=settings.trust_remote_code, offload_folder=out_dir / "offload")
+    if settings.device_map is None:
+        head = FrozenTargetHead.from_model(target)
+    else:  # a dispatched target's embedding or head may live on another device or on disk: read them once
+        device = target.get_input_embeddings().weight.device
+        device = torch.device("cpu") if device.type == "meta" else device
+        head = FrozenTargetHead.from_pretrained(target_path, dtype=dtype, device=device)
+    drafters = {s.name: load_spec(s, dtype, target_config).to(head.embed_tokens.weight.device) for s in specs}
     references = {}
     if settings.reference_subset > 0:
         for s in specs:
@@ -688,6 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sim", action="store_true", help="skip the teacher-forced estimate")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device-map", default=None, help="shard the target in-process, e.g. auto (default: config target.device_map)")
     p.add_argument("--wandb", action="store_true", help="log the summary and plots to wandb (project/mode from config logging)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. eval.max_prompts=4")
     return p
@@ -729,6 +737,7 @@ def settings_from_args(args) -> EvalSettings:
         threads=args.threads,
         trust_remote_code=config.target.trust_remote_code,
         thinking=config.data.thinking,
+        device_map=args.device_map if args.device_map is not None else config.target.device_map,
     )
     return settings, notes
 

@@ -25,6 +25,9 @@ class TargetConfig(Strict):
     device_map: str | dict[str, Any] | None = None
     # Feature backend: "hf" (forward hooks, in process). "sglang" is reserved for a serving-engine backend.
     backend: Literal["hf", "sglang"] = "hf"
+    # Run the Python code a target folder ships (config.json / tokenizer_config.json auto_map), e.g. Kimi K2's
+    # tokenizer. Off: such a folder is refused with an error naming this key.
+    trust_remote_code: bool = False
 
 
 class DrafterConfig(Strict):
@@ -80,6 +83,9 @@ class DataConfig(Strict):
     max_record_bytes: int = Field(64 << 20, ge=1024)
     max_seq_len: int = Field(2048, ge=16)
     seed: int = 0
+    # The chat template's thinking switch (Kimi K2's `thinking`, Qwen3's `enable_thinking`) for every prompt
+    # rendered (regeneration, masks, eval). None: the template's default. Set on a template without one: refused.
+    thinking: bool | None = None
 
 
 class FeaturesConfig(Strict):

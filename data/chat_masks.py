@@ -11,8 +11,12 @@ Boundaries are derived from the template itself, never from per-model offsets:
 * the text before an assistant turn's content is ``render(messages[:i], add_generation_prompt=True)``;
 * the text up to the end of that turn is ``render(messages[:i + 1])``; the first must be a prefix of the
   second, and the second a prefix of the full rendering;
-* inside the turn, the generated part ends with the last end-of-turn string (default: the tokenizer's
-  ``eos_token``); anything after it is template separator.
+* inside the turn, the generated part ends with the last end-of-turn string (default: the token the
+  template closes an assistant turn with, e.g. Kimi's ``<|im_end|>`` where its ``eos_token`` is ``[EOS]``);
+  anything after it is template separator.
+
+Templates with a thinking switch (Kimi K2's ``thinking``, Qwen3's ``enable_thinking``) render every turn
+with the setting given to :func:`set_thinking` (``data.thinking``); None keeps the template's default.
 
 A template that rewrites earlier turns depending on later ones raises :class:`TemplatePrefixError`.
 Tokenizing the full rendering must equal the concatenation of the separately tokenized pieces (else
@@ -25,12 +29,17 @@ prompt's token ids with the generated ids verbatim (no decode / re-encode round 
 from __future__ import annotations
 
 import importlib.util
+import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 DEEPSEEK_V3_TEMPLATE = TEMPLATES_DIR / "deepseek_v3.jinja"
+KIMI_K2_TEMPLATE = TEMPLATES_DIR / "kimi_k2.jinja"
+THINKING_SWITCHES = ("thinking", "enable_thinking")
+_TEMPLATE_OPTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class ChatMaskError(ValueError):
@@ -117,16 +126,42 @@ def load_deepseek_v3_tokenizer():
     return tokenizer
 
 
-def load_tokenizer(path: str | Path, chat_template: str | Path | None = None):
-    """``AutoTokenizer.from_pretrained(path)``; ``chat_template`` (text or .jinja path) overrides/attaches one."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str | Path, chat_template: str | Path | None = None, *, trust_remote_code: bool = False,
+                   thinking: bool | None = None):
+    """The target's tokenizer (its own code only if trusted); ``chat_template`` (text or .jinja path)
+    overrides/attaches one; ``thinking`` sets the template's thinking switch (:func:`set_thinking`)."""
+    from drafters.target_loading import load_target_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_target_tokenizer(path, trust_remote_code)
     if chat_template is not None:
         tokenizer.chat_template = _template_text(chat_template)
     if not getattr(tokenizer, "chat_template", None):
         raise ChatMaskError(f"tokenizer at {path} has no chat template; pass chat_template=")
+    set_thinking(tokenizer, thinking)
     return tokenizer
+
+
+def thinking_switch(chat_template: str) -> str | None:
+    """The variable a template reads to turn thinking on or off, or None if it has no such switch."""
+    from jinja2 import Environment, meta
+
+    try:
+        names = meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template))
+    except Exception:  # tags only transformers' environment knows ({% generation %}): read the names off the text
+        names = set(re.findall(r"\w+", chat_template))
+    return next((name for name in THINKING_SWITCHES if name in names), None)
+
+
+def set_thinking(tokenizer, thinking: bool | None) -> None:
+    """Render every turn of this tokenizer's template with thinking on or off (None: the template's default)."""
+    if thinking is None:
+        _TEMPLATE_OPTIONS.pop(tokenizer, None)
+        return
+    switch = thinking_switch(tokenizer.chat_template or "")
+    if switch is None:
+        raise ChatMaskError(f"data.thinking is {thinking} but the chat template has no thinking switch "
+                            f"(none of {list(THINKING_SWITCHES)}); leave data.thinking unset for this target")
+    _TEMPLATE_OPTIONS[tokenizer] = {switch: bool(thinking)}
 
 
 def _template_text(chat_template: str | Path) -> str:
@@ -147,7 +182,9 @@ def render(tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_p
     """The chat template's text for ``messages`` (``""`` for no messages)."""
     if not messages:
         return ""
-    kwargs = {"chat_template": chat_template} if chat_template is not None else {}
+    kwargs = dict(_TEMPLATE_OPTIONS.get(tokenizer, {}))
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     return tokenizer.apply_chat_template(
         [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
@@ -165,13 +202,38 @@ def prompt_ids(tokenizer, messages: Sequence[Mapping[str, Any]], *, chat_templat
     return encode(tokenizer, render(tokenizer, messages, add_generation_prompt=True, chat_template=chat_template))
 
 
-def end_of_turn_strings(tokenizer, end_of_turn: str | Iterable[str] | None = None) -> list[str]:
-    """The strings that close an assistant turn: ``end_of_turn`` if given, else the tokenizer's eos_token."""
+def template_end_of_turn(tokenizer, chat_template: str | None = None) -> str | None:
+    """The special token the chat template writes right after an assistant reply (``<|im_end|>`` for
+    SmolLM2 and Kimi, ``<｜end▁of▁sentence｜>`` for DeepSeek-V3); None if the template writes none."""
+    probe = "\x1fDFLASH-REPLY\x1f"
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": probe}]
+    try:
+        turn = render(tokenizer, messages, chat_template=chat_template)
+    except Exception:  # a template that refuses this minimal conversation: fall back to eos_token
+        return None
+    after = turn[turn.rfind(probe) + len(probe):] if probe in turn else ""
+    special = set(getattr(tokenizer, "all_special_tokens", [])) | set(getattr(tokenizer, "get_added_vocab", dict)())
+    return max((t for t in special if t and after.startswith(t)), key=len, default=None)
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """Ids that end the target's reply: the template's end-of-turn token and the tokenizer's eos."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in (template_end_of_turn(tokenizer),) if t]
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return list(dict.fromkeys(ids))
+
+
+def end_of_turn_strings(tokenizer, end_of_turn: str | Iterable[str] | None = None,
+                        chat_template: str | None = None) -> list[str]:
+    """The strings that close an assistant turn: ``end_of_turn`` if given, else the template's end-of-turn
+    token, else the tokenizer's eos_token."""
     if end_of_turn is None:
-        eos = getattr(tokenizer, "eos_token", None)
-        if not eos:
-            raise ChatMaskError("tokenizer has no eos_token; pass end_of_turn=")
-        return [eos]
+        eot = template_end_of_turn(tokenizer, chat_template) or getattr(tokenizer, "eos_token", None)
+        if not eot:
+            raise ChatMaskError("the chat template closes no turn with a special token and the tokenizer has no "
+                                "eos_token; pass end_of_turn=")
+        return [eot]
     if isinstance(end_of_turn, str):
         return [end_of_turn]
     out = [s for s in end_of_turn if s]
@@ -204,7 +266,7 @@ def assistant_char_spans(tokenizer, messages: Sequence[Mapping[str, Any]], *,
     preceding messages) and ends right after the last end-of-turn string inside that turn's rendering.
     """
     messages = [dict(m) for m in messages]
-    eot = end_of_turn_strings(tokenizer, end_of_turn)
+    eot = end_of_turn_strings(tokenizer, end_of_turn, chat_template)
     full = render(tokenizer, messages, chat_template=chat_template)
     spans: list[tuple[int, int]] = []
     for i, message in enumerate(messages):

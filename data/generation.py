@@ -14,14 +14,17 @@ def batch_seed(seed: int, ids: Sequence[str]) -> int:
     return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def end_of_turn_ids(model, tokenizer) -> list[int]:
-    """End-of-turn ids: the generation config's (of a loaded model, or a model folder) and the tokenizer's."""
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Ids that stop generation: the generation config's eos (of a loaded model, or a model folder), the chat
+    template's end of turn (Kimi: <|im_end|>, not its eos [EOS]) and the tokenizer's eos."""
+    from data.chat_masks import end_of_turn_ids
+
     if isinstance(model, (str, Path)):
         from transformers import GenerationConfig
 
         try:
             generation_config = GenerationConfig.from_pretrained(str(model))
-        except OSError:  # no generation_config.json: the tokenizer's eos only
+        except OSError:  # no generation_config.json: the tokenizer's ids only
             generation_config = None
     else:
         generation_config = model.generation_config
@@ -29,8 +32,7 @@ def end_of_turn_ids(model, tokenizer) -> list[int]:
     configured = getattr(generation_config, "eos_token_id", None)
     if configured is not None:
         ids += list(configured) if isinstance(configured, (list, tuple)) else [configured]
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
+    ids += end_of_turn_ids(tokenizer)
     ids = list(dict.fromkeys(int(i) for i in ids))
     if not ids:
         raise ValueError("neither the target's generation_config nor its tokenizer defines an eos token")
@@ -44,7 +46,7 @@ class BatchGenerator:
 
     def __init__(self, model, tokenizer, temperature: float, seed: int, *, top_p: float = 1.0, top_k: int = 0):
         self.model = model
-        self.eos_ids = end_of_turn_ids(model, tokenizer)
+        self.eos_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.temperature, self.seed = float(temperature), int(seed)
         self.sampling: dict[str, Any] = (

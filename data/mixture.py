@@ -80,6 +80,8 @@ def mixture_key(config: PipelineConfig, target_path: Path) -> str:
     ignored = {"prefilled_samples"} | ({"generation_backend"} if config.data.mixture.generation_backend == "hf" else set())
     settings = {"mixture": config.data.mixture.model_dump(mode="json", exclude=ignored), "seed": config.data.seed,
                 "target": str(Path(target_path).resolve()), "target_config": hashlib.sha256(target_config).hexdigest()}
+    if config.data.thinking is not None:  # unset: caches made before the setting existed keep their key
+        settings["thinking"] = config.data.thinking
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -108,11 +110,13 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
         prompts, target_path, out_dir, batch_size=mixture.generation_batch_size, max_new_tokens=mixture.max_new_tokens,
         temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
         dtype=config.target.dtype, backend=mixture.generation_backend, feature_layers=feature_layers,
+        trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking,
     )
     if not mixture.prefilled_samples:
         return regenerated
     from data.chat_masks import load_tokenizer
 
-    rows = prefilled_rows(config, load_tokenizer(target_path))
+    rows = prefilled_rows(config, load_tokenizer(target_path, trust_remote_code=config.target.trust_remote_code,
+                                                 thinking=config.data.thinking))
     print(f"[data] prefilled code samples: {len(rows)} ({sum(len(r['input_ids']) for r in rows)} tokens, no decoding)", flush=True)
     return concatenate_datasets([regenerated, Dataset.from_list(rows, features=regenerated.features)])

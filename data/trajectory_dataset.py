@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from datasets import Dataset
-from transformers import AutoConfig
+from drafters.target_loading import load_target_config
 
 from configs.schema import PipelineConfig
 from data.prefix_tree import build_prefix_tree
@@ -16,7 +16,7 @@ from data.trajectories import TrajectoryReader
 def build_trajectory_dataset(config: PipelineConfig, target_path: Path, cache_root: Path | None = None) -> Dataset:
     if not config.data.trajectories:
         raise ValueError("train.stage is 'finetune' but data.trajectories lists no log files or folders")
-    vocab_size = AutoConfig.from_pretrained(target_path).vocab_size
+    vocab_size = load_target_config(target_path, config.target.trust_remote_code).vocab_size
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     reader = TrajectoryReader(config.data.trajectories, vocab_size, quarantine_path=output_dir / "quarantine.jsonl",

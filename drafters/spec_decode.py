@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from drafters.capture import HFCapture, crop_cache
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter, DraftCache
+from drafters.recurrent_state import has_recurrent_state, snapshot
 
 
 @dataclass
@@ -89,6 +90,7 @@ def generate(
     input_ids = input_ids.to(device)
     try:
         target_cache = DynamicCache(config=target.config)
+        recurrent = has_recurrent_state(target.config)  # rejected drafts cannot be cropped out of its state
         draft_cache = DraftCache()
         prompt = capture.capture(input_ids, past_key_values=target_cache)
         logits = head.logits(prompt.final_hidden[:, -1]).float()[0]
@@ -111,6 +113,7 @@ def generate(
                 draft_probs = _probs(draft_logits, temperature)
                 drafts = torch.multinomial(draft_probs.cpu(), 1, generator=generator)[:, 0].to(device)
             block[0, 1:] = drafts
+            before_verify = snapshot(target_cache) if recurrent else None
             verify = capture.capture(block, past_key_values=target_cache,
                                      position_ids=torch.arange(start, start + size, device=device)[None])
             target_logits = head.logits(verify.final_hidden[0]).float()
@@ -126,9 +129,14 @@ def generate(
                     break
             tokens += new
             steps.append(len(new))
-            crop_cache(target_cache, start + len(new))
             # Features of the anchor and the accepted drafts; the last new token is the next anchor.
             context = verify.selected[:, : len(new)]
+            if recurrent and len(new) < size:  # back to the state before the block, then the accepted tokens only
+                target_cache = before_verify
+                context = capture.capture(block[:, : len(new)], past_key_values=target_cache,
+                                          position_ids=torch.arange(start, start + len(new), device=device)[None]).selected
+            else:
+                crop_cache(target_cache, start + len(new))
         ids = torch.cat([input_ids, torch.tensor([tokens], device=device)], dim=1)
         return Generated(ids, steps)
     finally:

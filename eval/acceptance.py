@@ -174,6 +174,10 @@ class EvalSettings:
     wandb_project: str = "dflash"
     wandb_mode: str = "offline"
     threads: int | None = None
+    trust_remote_code: bool = False        # config target.trust_remote_code
+    thinking: bool | None = None           # config data.thinking: the chat template's thinking switch
+    # config target.device_map: shard the target in-process ("auto", or {module: device}; "disk" pages in).
+    device_map: str | dict | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,7 +298,9 @@ def summarize(runs: list[Decoded], target_runs: list[Decoded], block_size: int |
 
 
 def target_stop_ids(tokenizer, target) -> list[int]:
-    ids: set[int] = set()
+    from data.chat_masks import end_of_turn_ids
+
+    ids: set[int] = set(end_of_turn_ids(tokenizer)) if tokenizer is not None else set()
     for value in (getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None,
                   getattr(getattr(target, "generation_config", None), "eos_token_id", None),
                   getattr(target.config, "eos_token_id", None)):
@@ -312,11 +318,11 @@ def _seed(base: int, *parts: int) -> int:
     return value
 
 
-def _load_tokenizer(target_path):
+def _load_tokenizer(target_path, settings: EvalSettings):
     from data.chat_masks import load_tokenizer
 
     try:
-        return load_tokenizer(target_path), None
+        return load_tokenizer(target_path, trust_remote_code=settings.trust_remote_code, thinking=settings.thinking), None
     except Exception as err:  # no tokenizer files, or no chat template
         return None, f"{type(err).__name__}: {err}"
 
@@ -325,7 +331,7 @@ def prepare(drafter_args: list[str], settings: EvalSettings, log=print):
     """Everything that can be refused, before any model weight is loaded or anything decoded:
     drafter folders, fit against the target config, traces. Returns (specs, target_path, target_config,
     tokenizer, trace_sets, notes)."""
-    from transformers import AutoConfig
+    from drafters.target_loading import load_target_config
 
     from drafters.draft_config import text_config
 
@@ -353,14 +359,14 @@ def prepare(drafter_args: list[str], settings: EvalSettings, log=print):
         target_path = Path(settings.target)
         if not (target_path / "config.json").is_file():
             raise EvalError(f"target {target_path} is not a model folder (no config.json)")
-    target_config = AutoConfig.from_pretrained(target_path)
+    target_config = load_target_config(target_path, settings.trust_remote_code)
     for spec in specs:
         check_fit(spec, target_config, str(target_path))
         check_finite(spec)
 
     text = text_config(target_config)
     max_positions = getattr(text, "max_position_embeddings", None)
-    tokenizer, tokenizer_error = _load_tokenizer(target_path)
+    tokenizer, tokenizer_error = _load_tokenizer(target_path, settings)
     notes: list[str] = []
     trace_sets: dict[str, TraceSet] = {}
     for category in settings.categories:
@@ -420,10 +426,9 @@ def choose_threads(requested: int | None) -> int:
 
 def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, settings: EvalSettings, log) -> dict:
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
-
     from drafters.capture import HFCapture
     from drafters.frozen_target import FrozenTargetHead
+    from drafters.target_loading import load_target_model
     from eval import report as report_mod
     from eval.reference import load_reference_model, reference_generate
     from drafters.objective import acceptance_stats
@@ -435,9 +440,15 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
 
     log(f"[eval] target {target_path} ({settings.dtype}); drafters: {[s.name for s in specs] or 'none'}; "
         + ", ".join(f"{c}: {len(ts.traces)} prompts" for c, ts in trace_sets.items()))
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval().requires_grad_(False)
-    head = FrozenTargetHead.from_model(target)
-    drafters = {s.name: load_spec(s, dtype, target_config) for s in specs}
+    target = load_target_model(target_path, dtype=dtype, device_map=settings.device_map,
+                               trust_remote_code=settings.trust_remote_code, offload_folder=out_dir / "offload")
+    if settings.device_map is None:
+        head = FrozenTargetHead.from_model(target)
+    else:  # a dispatched target's embedding or head may live on another device or on disk: read them once
+        device = target.get_input_embeddings().weight.device
+        device = torch.device("cpu") if device.type == "meta" else device
+        head = FrozenTargetHead.from_pretrained(target_path, dtype=dtype, device=device)
+    drafters = {s.name: load_spec(s, dtype, target_config).to(head.embed_tokens.weight.device) for s in specs}
     references = {}
     if settings.reference_subset > 0:
         for s in specs:
@@ -683,6 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sim", action="store_true", help="skip the teacher-forced estimate")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device-map", default=None, help="shard the target in-process, e.g. auto (default: config target.device_map)")
     p.add_argument("--wandb", action="store_true", help="log the summary and plots to wandb (project/mode from config logging)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. eval.max_prompts=4")
     return p
@@ -722,6 +734,9 @@ def settings_from_args(args) -> EvalSettings:
         wandb_project=config.logging.wandb_project,
         wandb_mode=config.logging.wandb_mode,
         threads=args.threads,
+        trust_remote_code=config.target.trust_remote_code,
+        thinking=config.data.thinking,
+        device_map=args.device_map if args.device_map is not None else config.target.device_map,
     )
     return settings, notes
 

@@ -28,6 +28,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from transformers import DynamicCache
 
 from drafters.capture import crop_cache
+from drafters.recurrent_state import has_recurrent_state, snapshot
 from drafters.spec_decode import accept_greedy, accept_sampled
 
 
@@ -98,6 +99,7 @@ def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_i
     context[:n_prompt] = input_ids[0].cpu().numpy()
     started = time.perf_counter()
     cache = DynamicCache(config=target.config)
+    recurrent = has_recurrent_state(target.config)  # rejected drafts are replayed away (drafters/recurrent_state.py)
     kw = cache_kwarg(target)
     out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{kw: cache})
     tokens = [_pick(out.logits[0, -1], temperature, generator)]
@@ -111,6 +113,7 @@ def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_i
         drafts = propose(context[: start + 1], max_ngram, min_ngram, min(num_draft, room)) if num_draft > 0 else []
         block = torch.tensor([[tokens[-1]] + drafts], dtype=torch.long, device=device)
         size = block.shape[1]
+        before_verify = snapshot(cache) if recurrent and size > 1 else None
         verify = target(input_ids=block, use_cache=True,
                         position_ids=torch.arange(start, start + size, device=device)[None], **{kw: cache})
         logits = verify.logits[0].float()
@@ -131,7 +134,12 @@ def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_i
         tokens += new
         steps.append(len(new))
         proposed.append(len(drafts))
-        crop_cache(cache, start + len(new))
+        if before_verify is not None and len(new) < size:
+            cache = before_verify
+            target(input_ids=block[:, : len(new)], use_cache=True, logits_to_keep=1,
+                   position_ids=torch.arange(start, start + len(new), device=device)[None], **{kw: cache})
+        else:
+            crop_cache(cache, start + len(new))
     total = time.perf_counter() - started
     return Decoded(tokens, steps, prefill, total, proposed)
 

@@ -392,7 +392,8 @@ def _eval_settings(config: PipelineConfig, target_path: Path, heldout_files: lis
         target=str(target_path), cache_dir=config.cache_dir, dtype=rc.eval_dtype, categories=["agentic"],
         agentic_log=list(heldout_files), agentic_per_session=rc.eval_requests_per_session,
         max_prompts=rc.eval_max_prompts, max_new_tokens=rc.eval_max_new_tokens, max_tokens=rc.eval_max_tokens,
-        temperature=0.0, reference_subset=0, simulate=False, warmup=False, out=str(out), wandb=False)
+        temperature=0.0, reference_subset=0, simulate=False, warmup=False, out=str(out), wandb=False,
+        trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking)
 
 
 def _wandb_log(config: PipelineConfig, sd: StateDir, record: dict, log) -> None:
@@ -487,16 +488,15 @@ def run_cycle(config: PipelineConfig, log=print) -> dict:
 
 
 def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) -> dict:
-    from transformers import AutoConfig
-
     from drafters.draft_config import text_config
+    from drafters.target_loading import load_target_config
     from train.setup import resolve_target
 
     rc = config.retrain
     started = time.time()
     phase: dict[str, float] = {}
     target_path = resolve_target(config, log)
-    target_config = AutoConfig.from_pretrained(target_path)
+    target_config = load_target_config(target_path, config.target.trust_remote_code)
     vocab_size = int(text_config(target_config).vocab_size)
     bootstrap(config, sd, state, target_path, target_config, log)
     current_version = state["promoted"]

@@ -26,13 +26,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from configs.schema import ConfigError, PipelineConfig, load_config
 from drafters.blocks import sample_anchors
 from drafters.checkpoint import find_drafter_folder, load_drafter, save_drafter
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
+from drafters.target_loading import load_target_config
 from train.batches import DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
 from common.atomic_files import write_json_atomic
 from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
@@ -76,17 +77,8 @@ def mixed_precision(config: PipelineConfig) -> str:
 
 def train(config: PipelineConfig) -> Path:
     started = time.perf_counter()
-    accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),
-        mixed_precision=mixed_precision(config),
-        gradient_accumulation_steps=config.train.grad_accum,
-        step_scheduler_with_optimizer=False,
-        log_with="wandb" if config.logging.wandb else None,
-        # Rank 0 may regenerate the mixture or capture the feature cache while the others wait in a
-        # barrier; the default 30-minute collective timeout would kill such a first run.
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=12))],
-    )
     tc = config.train
+    accelerator = make_accelerator(config)
     if accelerator.device.type == "cpu":
         # `accelerate launch` exports OMP_NUM_THREADS=1 unless told otherwise, which halves a 2-core run.
         threads = tc.cpu_threads or max(1, len(os.sched_getaffinity(0)) // accelerator.num_processes)
@@ -106,7 +98,7 @@ def train(config: PipelineConfig) -> Path:
         check_config_drift(existing, config, log)
         check_no_pickles(existing, tc.trust_checkpoint_pickles, is_deepspeed(accelerator), log)
     target_path = resolve_target(config, log)
-    target_config = AutoConfig.from_pretrained(target_path)
+    target_config = load_target_config(target_path, config.target.trust_remote_code)
     if tc.init_from:
         # Stage 2 keeps the stage-1 drafter's architecture, target layers and mask token.
         drafter = load_drafter(find_drafter_folder(tc.init_from), target_config=target_config).float()
@@ -133,7 +125,14 @@ def train(config: PipelineConfig) -> Path:
         optimizer, num_warmup_steps=math.ceil(tc.warmup_ratio * total_steps), num_training_steps=total_steps,
         min_lr_rate=tc.min_lr_ratio,
     )
+    if is_deepspeed(accelerator):
+        # No dataloader goes through prepare(): DeepSpeed learns the micro-batch and clipping from here.
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=tc.batch_size, gradient_clipping=tc.grad_clip)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
+    if accelerator.gradient_accumulation_steps != tc.grad_accum:
+        raise ValueError(f"the launcher accumulates {accelerator.gradient_accumulation_steps} micro-batches per step, "
+                         f"train.grad_accum is {tc.grad_accum}; remove gradient_accumulation_steps from the accelerate config")
     parts = {"model": drafter, "optimizer": optimizer, "scheduler": scheduler}
 
     state = TrainerState()
@@ -175,7 +174,9 @@ def train(config: PipelineConfig) -> Path:
         usable = len(batches) - len(batches) % tc.grad_accum
         for batch_idx in range(state.batch_in_epoch, usable):
             batch = collate(dataset, batches[batch_idx], config.data.max_seq_len, pad_id)
-            generator = torch.Generator().manual_seed((((tc.seed * 1_000_003 + state.epoch) * 1_000_003 + batch_idx) * 64 + rank) % 2**63)
+            # Seeded by the batch's place in the epoch's global order: the same anchors whatever the process count.
+            global_batch = batch_idx * world + rank
+            generator = torch.Generator().manual_seed((((tc.seed * 1_000_003 + state.epoch) * 1_000_003 + global_batch) * 64) % 2**63)
             supervised = batch.loss_mask if tc.anchor_scope == "loss_mask" else batch.attention_mask.bool()
             anchors, anchor_valid = sample_anchors(supervised, tc.anchors_per_seq, generator)
             input_ids = batch.input_ids.to(accelerator.device)
@@ -204,6 +205,7 @@ def train(config: PipelineConfig) -> Path:
             window["correct"].append(out.slot_correct.flatten(0, 1).cpu())
             window["valid"].append(out.slot_valid.flatten(0, 1).cpu())
             window["tokens"] += int(anchor_valid.sum()) * draft_config.block_size
+            window["sequences"] += len(batch.indices)
             state.batch_in_epoch = batch_idx + 1
             if not accelerator.sync_gradients:
                 continue
@@ -220,6 +222,8 @@ def train(config: PipelineConfig) -> Path:
             _check_divergence(drafter, state.step, nonfinite_run, tc.max_nonfinite_steps, output_dir)
             if state.step % tc.log_every == 0 or state.step == total_steps:
                 metrics = _window_metrics(window, scheduler.get_last_lr()[0], world, keep_prob)
+                sequences = accelerator.reduce(torch.tensor([window["sequences"]], device=accelerator.device), reduction="sum")
+                metrics["sequences_per_step"] = float(sequences.item()) / window["steps"]
                 window = _new_window()
                 state.metrics = metrics
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['slot1_acc']:.2f}", tau=f"{metrics['sim_tau']:.2f}")
@@ -242,6 +246,32 @@ def train(config: PipelineConfig) -> Path:
     final = latest_checkpoint(output_dir)
     log(f"[train] done: {total_steps} steps; drafter at {final / 'drafter'}")
     return final / "drafter"
+
+
+def make_accelerator(config: PipelineConfig) -> Accelerator:
+    """train.grad_accum micro-batches per optimizer step under every launcher (single process, DDP, DeepSpeed)."""
+    launched = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if launched is not None and launched != str(config.train.grad_accum):
+        # accelerate launch exports the accelerate config's value and both Accelerator and DeepSpeed prefer it
+        # to the argument: a pinned 1 would make every micro-batch an optimizer step.
+        print(f"[train] the accelerate config's gradient_accumulation_steps={launched} is replaced by "
+              f"train.grad_accum={config.train.grad_accum}", file=sys.stderr)
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(config.train.grad_accum)
+    on_cpu = not torch.cuda.is_available()
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    # Rank 0 may regenerate the mixture or capture the feature cache while the others wait in a
+    # barrier; the default 30-minute collective timeout would kill such a first run.
+    group = {"timeout": timedelta(hours=12)}
+    if on_cpu and deepspeed:
+        group["backend"] = "gloo"  # accelerate starts DeepSpeed only off the CPU unless given a CPU backend
+    return Accelerator(
+        cpu=on_cpu and not deepspeed,
+        mixed_precision=mixed_precision(config),
+        gradient_accumulation_steps=config.train.grad_accum,
+        step_scheduler_with_optimizer=False,
+        log_with="wandb" if config.logging.wandb else None,
+        kwargs_handlers=[InitProcessGroupKwargs(**group)],
+    )
 
 
 def training_head(lm_head_weight: torch.Tensor, size: int | None, log, token_counts) -> HeadVocabulary:
@@ -304,7 +334,7 @@ def _check_divergence(drafter, step: int, nonfinite_run: int, limit: int, output
 
 
 def _new_window() -> dict:
-    return {"loss": 0.0, "steps": 0, "nonfinite_steps": 0, "correct": [], "valid": [], "tokens": 0,
+    return {"loss": 0.0, "steps": 0, "nonfinite_steps": 0, "correct": [], "valid": [], "tokens": 0, "sequences": 0,
             "start": time.perf_counter()}
 
 

@@ -34,10 +34,12 @@ def build_draft_config(config: PipelineConfig, target_path: Path, target_config)
     """Drafter config for this target; refuses a target that does not fit (both values named)."""
     mask_token_id = config.drafter.mask_token_id
     if mask_token_id is None:
-        from transformers import AutoTokenizer
+        from drafters.target_loading import TargetLoadError, load_target_tokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(target_path)
+            tokenizer = load_target_tokenizer(target_path, config.target.trust_remote_code)
+        except TargetLoadError:
+            raise
         except (OSError, ValueError) as err:
             raise ValueError(f"drafter.mask_token_id is not set and the target at {target_path} has no tokenizer to choose one from ({err})") from None
         mask_token_id = choose_mask_token_id(tokenizer, target_config.vocab_size)
@@ -45,15 +47,12 @@ def build_draft_config(config: PipelineConfig, target_path: Path, target_config)
 
 
 def load_target_model(config: PipelineConfig, target_path: Path, device: torch.device):
-    from transformers import AutoModelForCausalLM
+    from drafters.target_loading import load_target_model as load
 
-    kwargs = {"dtype": TORCH_DTYPES[config.target.dtype]}
-    if config.target.device_map is not None and device.type != "cpu":
-        kwargs["device_map"] = config.target.device_map
-    model = AutoModelForCausalLM.from_pretrained(target_path, **kwargs)
-    if "device_map" not in kwargs:
-        model.to(device)
-    return model.eval().requires_grad_(False)
+    device_map = config.target.device_map if device.type != "cpu" else None
+    model = load(target_path, dtype=TORCH_DTYPES[config.target.dtype], device_map=device_map,
+                 trust_remote_code=config.target.trust_remote_code)
+    return model if device_map is not None else model.to(device)
 
 
 def training_dataset(config: PipelineConfig, target_path: Path, accelerator, layer_ids: list[int] | None = None) -> Dataset:

@@ -1,0 +1,59 @@
+"""The target as its owner ships it: config, tokenizer and model folders, with the folder's own code when
+`target.trust_remote_code` allows it (Kimi K2's tokenizer and model classes live in its checkpoint).
+
+Every load of the target goes through here, so the setting reaches all of them; a folder that needs its
+own code and was not trusted gets an error that names the setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TargetLoadError(ValueError):
+    """The target folder cannot be loaded as configured; the message names the folder and the setting."""
+
+
+def _needs_trust(err: Exception) -> bool:
+    text = str(err)
+    return "trust_remote_code" in text or "custom code" in text
+
+
+def _load(what: str, path, trust_remote_code: bool, load):
+    try:
+        return load()
+    except (ValueError, OSError, KeyError) as err:
+        if not trust_remote_code and _needs_trust(err):
+            raise TargetLoadError(
+                f"the target's {what} at {path} ships its own code (auto_map), which runs only with "
+                f"target.trust_remote_code: true (set it if you trust that folder)") from None
+        raise
+
+
+def load_target_config(path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    return _load("config", path, trust_remote_code,
+                 lambda: AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code))
+
+
+def load_target_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return _load("tokenizer", path, trust_remote_code,
+                 lambda: AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code))
+
+
+def load_target_model(path: str | Path, *, dtype, device_map=None, trust_remote_code: bool = False,
+                      offload_folder: str | Path | None = None):
+    """The frozen target: eval mode, no gradients; `device_map` ("auto", a device, a dict) shards it, and
+    modules mapped to "disk" are paged in from `offload_folder`."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if offload_folder is not None:
+        kwargs["offload_folder"] = str(offload_folder)
+    model = _load("model", path, trust_remote_code, lambda: AutoModelForCausalLM.from_pretrained(str(path), **kwargs))
+    return model.eval().requires_grad_(False)

@@ -494,6 +494,8 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
                          "total_seconds": r.total_seconds}
                 if method == LOOKUP:
                     entry["drafted_per_step"] = r.proposed
+                if method == TARGET:  # the ground truth a serving engine's output is held to (eval/engine.py)
+                    entry["output_ids"] = r.tokens
                 if greedy and method != TARGET:
                     diff = first_difference(r.tokens, truth)
                     entry["identical_to_target"] = diff is None

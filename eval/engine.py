@@ -215,8 +215,10 @@ def summarize_runs(runs: list[EngineRun], backend: str) -> dict:
     accepted = sum(r.accepted for r in runs)
     tokens = sum(len(r.tokens) for r in runs)
     seconds = sum(r.seconds for r in runs)
+    delivered = sum(max(len(r.tokens) - 1, 0) for r in runs)  # the first token comes from the prefill
     return {"backend": backend, "prompts": len(runs), "new_tokens": tokens, "drafts": drafts, "accepted": accepted,
-            "tau": 1.0 + accepted / drafts if drafts else None, "seconds": seconds,
+            "tau": 1.0 + accepted / drafts if drafts else None,
+            "tau_delivered": delivered / drafts if drafts else None, "seconds": seconds,
             "tokens_per_s_e2e": tokens / seconds if seconds > 0 else None}
 
 
@@ -281,14 +283,15 @@ def evaluate_engine(drafter_args: list[str], settings, engine_url: str | None = 
 def engine_report_markdown(report: dict) -> str:
     lines = ["# Acceptance through the serving engine", "",
              f"Target `{report['target']}`; every figure below was produced by the backend named in its row.", "",
-             "| method | backend | category | prompts | new tokens | tau (engine counters) | tok/s e2e | "
-             "identical to target |", "|---|---|---|---:|---:|---:|---:|---:|"]
+             "| method | backend | category | prompts | new tokens | tau (engine counters) | tau (delivered per "
+             "step) | tok/s e2e | identical to target |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, m in report["methods"].items():
         for category, s in {**m["categories"], "all": m["all"]}.items():
             tau = f"{s['tau']:.3f}" if s["tau"] is not None else "-"
+            delivered = f"{s['tau_delivered']:.3f}" if s["tau_delivered"] is not None else "-"
             tps = f"{s['tokens_per_s_e2e']:.1f}" if s["tokens_per_s_e2e"] else "-"
             same = m.get("identical_to_target", "-") if category == "all" else ""
-            lines.append(f"| {name} | {m['backend']} | {category} | {s['prompts']} | {s['new_tokens']} | {tau} | "
+            lines.append(f"| {name} | {m['backend']} | {category} | {s['prompts']} | {s['new_tokens']} | {tau} | {delivered} | "
                          f"{tps} | {same} |")
     return "\n".join(lines) + "\n"
 
@@ -360,19 +363,29 @@ def serving_check(export_dir: str | Path, settings, *, engine: Engine | None = N
                                    "engine": run.tokens[diff: diff + 8], "target": expected[diff: diff + 8]})
     all_runs = [r for rs in runs.values() for r in rs]
     engine_summary = summarize_runs(all_runs, engine.backend)
-    tau_engine = engine_summary["tau"]
-    rel = (tau_engine - tau_decoder) / tau_decoder if tau_engine is not None and tau_decoder else None
+    tau_engine, tau_delivered = engine_summary["tau"], engine_summary["tau_delivered"]
+
+    def rel(value):
+        return (value - tau_decoder) / tau_decoder if value is not None and tau_decoder else None
+
     result = {"export": str(export_dir), "target": str(target_path), "backend": engine.backend,
               "prompts": len(all_runs), "identical": len(all_runs) - len(mismatched), "mismatches": mismatched,
-              "tau_engine": tau_engine, "tau_decoder": tau_decoder, "tau_rel_diff": rel,
+              "tau_engine": tau_engine, "tau_engine_delivered": tau_delivered, "tau_decoder": tau_decoder,
+              "tau_rel_diff": rel(tau_engine), "tau_delivered_rel_diff": rel(tau_delivered),
+              "drafts_engine": engine_summary["drafts"], "steps_decoder": specs_tau["steps"],
               "tau_tolerance": TAU_TOLERANCE, "engine": engine_summary, "per_prompt": prompts}
-    result["passed"] = not mismatched and rel is not None and abs(rel) <= TAU_TOLERANCE
+    # The counters also count drafts accepted past max_tokens or a stop token, which the engine then
+    # drops; the decoder truncates its last step. Tokens delivered per engine step is the decoder's
+    # definition, so the check holds that one to 2% (and reports both).
+    delivered_rel = result["tau_delivered_rel_diff"]
+    result["passed"] = not mismatched and delivered_rel is not None and abs(delivered_rel) <= TAU_TOLERANCE
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "serving_check.json", result)
     verdict = "passed" if result["passed"] else "FAILED"
     log(f"[serving-check] {verdict}: {export_dir} on {engine.backend}: {result['identical']}/{len(all_runs)} outputs "
-        f"identical to the target's greedy output; tau engine {tau_engine} vs decoder {tau_decoder} "
+        f"identical to the target's greedy output; tau engine {tau_engine} (counters), {tau_delivered} "
+        f"(delivered tokens per step) vs decoder {tau_decoder} "
         f"(goal within {TAU_TOLERANCE:.0%})")
     return result
 

@@ -34,7 +34,7 @@ def serve_pair(target: Path, drafter: Path, traces, max_new_tokens: int, stop_id
     out = {}
     for name, folder in (("target", None), ("target+drafter", drafter)):
         started = time.perf_counter()
-        kwargs = {} if (target / "tokenizer.json").exists() else {"skip_tokenizer_init": True}
+        kwargs = {}
         with InProcessEngine(target, folder, dtype=dtype, **kwargs) as engine:
             startup = time.perf_counter() - started
             runs = run_traces(engine, traces, max_new_tokens, stop_ids, 0.0, 0, log=lambda *a: None)

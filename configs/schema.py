@@ -23,8 +23,9 @@ class TargetConfig(Strict):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     # HF device_map for sharding a large target over several GPUs ("auto"), or a single device ("cpu", "cuda:0").
     device_map: str | dict[str, Any] | None = None
-    # Feature backend: "hf" (forward hooks, in process). "sglang" is reserved for a serving-engine backend.
-    backend: Literal["hf", "sglang"] = "hf"
+    # Feature backend: "hf" (forward hooks, in process); "vllm": offline features captured by the engine
+    # (data/engine_capture.py), the target's body never loaded in training. "sglang" is reserved.
+    backend: Literal["hf", "vllm", "sglang"] = "hf"
     # Run the Python code a target folder ships (config.json / tokenizer_config.json auto_map), e.g. Kimi K2's
     # tokenizer. Off: such a folder is refused with an error naming this key.
     trust_remote_code: bool = False
@@ -189,6 +190,9 @@ class RetrainConfig(Strict):
     eval_max_tokens: int | None = Field(None, ge=1)
     eval_requests_per_session: int = Field(1, ge=1)
     eval_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Serve the candidate's bf16 export in vLLM before promoting it (eval/engine.py serving_check: greedy
+    # outputs equal the target's, engine tau within 2% of the decoder's, on the gate's held-out requests).
+    serving_check: bool = False
     # Keep each cycle's training checkpoints (optimizer state) after the cycle completes.
     keep_checkpoints: bool = False
     # Training-data transform: permute the tokens of every training sequence (a deliberately bad candidate).

@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
     parser.add_argument("--allow-unaligned", action="store_true",
                         help="write an FP8 export even if its widths are not multiples of 128 (not servable by SGLang)")
+    parser.add_argument("--serving-check", action="store_true",
+                        help="then serve the export in vLLM and check it against eval.acceptance (eval/engine.py)")
+    parser.add_argument("--target", default=None, help="serving check: target folder (default: the testbed target)")
+    parser.add_argument("--check-traces", default="code,prose", help="serving check: trace categories")
+    parser.add_argument("--agentic-log", action="append", default=[], help="serving check: agent sessions (ids)")
     args = parser.parse_args(argv)
     try:
         summary = export_drafter(args.ckpt, args.out, args.dtype, args.model_card_info,
@@ -221,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export refused: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary))
+    if args.serving_check:
+        from eval.engine import serving_check, serving_check_settings
+
+        settings = serving_check_settings(args.out.parent / f"serving-check-{args.out.name}", args.target,
+                                          categories=args.check_traces.split(","), agentic_log=args.agentic_log)
+        return 0 if serving_check(args.out, settings)["passed"] else 1
     return 0
 
 

@@ -504,6 +504,8 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
                          "total_seconds": r.total_seconds}
                 if method == LOOKUP:
                     entry["drafted_per_step"] = r.proposed
+                if method == TARGET:  # the ground truth a serving engine's output is held to (eval/engine.py)
+                    entry["output_ids"] = r.tokens
                 if greedy and method != TARGET:
                     diff = first_difference(r.tokens, truth)
                     entry["identical_to_target"] = diff is None
@@ -638,6 +640,7 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
                           "torch": torch.__version__})
     report = {
         "version": REPORT_VERSION,
+        "backend": "decoder (drafters.spec_decode on the HF target, in process)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_seconds": wall,
         "settings": settings_dict,
@@ -695,6 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device-map", default=None, help="shard the target in-process, e.g. auto (default: config target.device_map)")
+    p.add_argument("--backend", default="decoder", choices=["decoder", "vllm"],
+                   help="decoder: our decoding loop on the HF target; vllm: the serving engine (eval/engine.py)")
+    p.add_argument("--engine-url", default=None, help="vllm backend: a server already serving the drafter")
+    p.add_argument("--engine-baseline-url", default=None, help="vllm backend: a server serving the target alone")
     p.add_argument("--wandb", action="store_true", help="log the summary and plots to wandb (project/mode from config logging)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. eval.max_prompts=4")
     return p
@@ -749,6 +756,11 @@ def main(argv: list[str] | None = None) -> int:
         settings, notes = settings_from_args(args)
         for note in notes:
             print(f"[eval] {note}", file=sys.stderr)
+        if args.backend == "vllm":
+            from eval.engine import evaluate_engine
+
+            evaluate_engine(args.drafter, settings, args.engine_url, args.engine_baseline_url)
+            return 0
         evaluate(args.drafter, settings, notes=notes)
     except (EvalError, TraceError, ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

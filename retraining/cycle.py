@@ -747,6 +747,17 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
         return _not_promoted(finish, sd, cdir, candidate, config,
                              f"candidate tau {tau_cand:.3f} does not beat current {current_version} tau {tau_cur:.3f} by "
                              f"the margin {margin:.1%} (needs > {required:.3f}); {current_version} stays current", roots)
+    if rc.serving_check:  # the engine must serve the candidate as the decoder measured it (eval/engine.py)
+        from drafters.export import export_drafter
+        from eval.engine import serving_check
+
+        export_drafter(candidate, cdir / "serving-check" / "bf16", "bf16", overwrite=True)
+        check = serving_check(cdir / "serving-check" / "bf16", _eval_settings(config, target_path, window,
+                                                                             cdir / "serving-check"), log=log)
+        record["serving_check"] = {k: check[k] for k in ("passed", "identical", "prompts", "tau_engine", "tau_decoder")}
+        if not check["passed"]:
+            return _not_promoted(finish, sd, cdir, candidate, config, "the candidate's bf16 export failed the vLLM "
+                                 f"serving check ({cdir / 'serving-check' / 'serving_check.json'})", roots)
 
     t0 = time.time()
     version = next_version(state)

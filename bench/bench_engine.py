@@ -5,7 +5,7 @@
 serve       vLLM serving the target alone vs the target + a DFlash drafter (eval/engine.py, batch 1,
             greedy): tokens/s end to end and tau from the engine's counters. Two pairs: the testbed target
             SmolLM2-135M with an untrained drafter (tau 1: the drafter's pure overhead), and the engine
-            testbed's tiny Llama with its trained drafter (tests/engine_testbed.py, tau ~7: the best case).
+            testbed's tiny Llama with its trained drafter (drafters/engine_testbed.py, tau ~7: the best case).
 regenerate  data.regenerate.regenerate on the same chat prompts with backend hf (transformers generate,
             batch 16) and vllm: response tokens per second of generation (engine start-up reported apart).
 capture     write_feature_cache of the same rows (chat prompts + their regenerated answers) through
@@ -49,15 +49,14 @@ def part_serve(args, tmp: Path) -> dict:
     import torch
     from transformers import AutoConfig
 
-    sys.path.insert(0, str(REPO / "tests"))
-    import engine_testbed
+    from drafters import engine_testbed
     from configs.schema import DrafterConfig
     from data.chat_masks import load_tokenizer
     from drafters.checkpoint import save_drafter
     from drafters.draft_config import build_draft_config
     from drafters.model import DFlashDrafter
     from eval.traces import agentic_traces, heldout_traces
-    from scripts.testbed import prepare_testbed_target
+    from drafters.testbed import prepare_testbed_target
 
     smol = prepare_testbed_target()
     torch.manual_seed(0)
@@ -82,7 +81,7 @@ def bench_prompts(n: int) -> list[dict]:
 
 def part_regenerate(args, tmp: Path) -> dict:
     from data.regenerate import regenerate
-    from scripts.testbed import prepare_testbed_target
+    from drafters.testbed import prepare_testbed_target
 
     target = prepare_testbed_target()
     out = {}
@@ -106,7 +105,7 @@ def part_capture(args, tmp: Path, regenerated: Path | None) -> dict:
     from data.engine_capture import EngineCapture
     from data.feature_cache import write_feature_cache
     from drafters.capture import HFCapture
-    from scripts.testbed import prepare_testbed_target
+    from drafters.testbed import prepare_testbed_target
 
     target = prepare_testbed_target()
     layer_ids = [1, 8, 14, 20, 27]

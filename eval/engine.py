@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from data.atomic_files import write_json_atomic
+from common.atomic_files import write_json_atomic
 
 TAU_TOLERANCE = 0.02
 DRAFTS = "vllm:spec_decode_num_drafts"

@@ -40,7 +40,7 @@ def build(root: Path) -> dict:
     from drafters.frozen_target import FrozenTargetHead
     from drafters.model import DFlashDrafter
     from eval.prompt_lookup import target_generate
-    from train.loss import block_loss, block_targets, default_gamma
+    from drafters.objective import block_loss, block_targets, default_gamma
 
     root.mkdir(parents=True, exist_ok=True)
     target = tiny_engine_target()

@@ -5,7 +5,7 @@
 serve       vLLM serving the target alone vs the target + a DFlash drafter (eval/engine.py, batch 1,
             greedy): tokens/s end to end and tau from the engine's counters. Two pairs: the testbed target
             SmolLM2-135M with an untrained drafter (tau 1: the drafter's pure overhead), and the engine
-            testbed's tiny Llama with its trained drafter (drafters/engine_testbed.py, tau ~7: the best case).
+            testbed's tiny Llama with its trained drafter (eval/engine_testbed.py, tau ~7: the best case).
 regenerate  data.regenerate.regenerate on the same chat prompts with backend hf (transformers generate,
             batch 16) and vllm: response tokens per second of generation (engine start-up reported apart).
 capture     write_feature_cache of the same rows (chat prompts + their regenerated answers) through
@@ -49,7 +49,7 @@ def part_serve(args, tmp: Path) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from drafters import engine_testbed
+    from eval import engine_testbed
     from configs.schema import DrafterConfig
     from data.chat_masks import load_tokenizer
     from drafters.checkpoint import save_drafter

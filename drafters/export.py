@@ -204,7 +204,7 @@ def export_drafter(ckpt: str | Path, out: str | Path, dtype: str = "fp8", model_
             "fp8_alignment_problems": contract.fp8_alignment_problems(cfg) if dtype == "fp8" else []}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", type=Path, help="drafter folder, or a training checkpoint holding drafter/")
     parser.add_argument("out", type=Path, help="export folder to create")
@@ -213,12 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
     parser.add_argument("--allow-unaligned", action="store_true",
                         help="write an FP8 export even if its widths are not multiples of 128 (not servable by SGLang)")
-    parser.add_argument("--serving-check", action="store_true",
-                        help="then serve the export in vLLM and check it against eval.acceptance (eval/engine.py)")
-    parser.add_argument("--target", default=None, help="serving check: target folder (default: the testbed target)")
-    parser.add_argument("--check-traces", default="code,prose", help="serving check: trace categories")
-    parser.add_argument("--agentic-log", action="append", default=[], help="serving check: agent sessions (ids)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         summary = export_drafter(args.ckpt, args.out, args.dtype, args.model_card_info,
                                  overwrite=args.overwrite, allow_unaligned=args.allow_unaligned)
@@ -226,13 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export refused: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary))
-    if args.serving_check:
-        from eval.engine import serving_check, serving_check_settings
-
-        settings = serving_check_settings(args.out.parent / f"serving-check-{args.out.name}", args.target,
-                                          categories=args.check_traces.split(","), agentic_log=args.agentic_log)
-        return 0 if serving_check(args.out, settings)["passed"] else 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

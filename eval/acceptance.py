@@ -318,7 +318,7 @@ def _seed(base: int, *parts: int) -> int:
     return value
 
 
-def _load_tokenizer(target_path, settings: EvalSettings):
+def load_eval_tokenizer(target_path, settings: EvalSettings):
     from data.chat_masks import load_tokenizer
 
     try:
@@ -366,7 +366,7 @@ def prepare(drafter_args: list[str], settings: EvalSettings, log=print):
 
     text = text_config(target_config)
     max_positions = getattr(text, "max_position_embeddings", None)
-    tokenizer, tokenizer_error = _load_tokenizer(target_path, settings)
+    tokenizer, tokenizer_error = load_eval_tokenizer(target_path, settings)
     notes: list[str] = []
     trace_sets: dict[str, TraceSet] = {}
     for category in settings.categories:

@@ -238,7 +238,7 @@ def evaluate_engine(drafter_args: list[str], settings, engine_url: str | None = 
     With ``engine_url`` (one drafter, already served there) and ``baseline_url`` (the target alone) the
     same measurements run against those servers. Writes report.json and report.md under settings.out.
     """
-    from eval.acceptance import EvalError, _load_tokenizer, prepare
+    from eval.acceptance import EvalError, load_eval_tokenizer, prepare
 
     specs, target_path, target_config, tokenizer, trace_sets, notes = prepare(drafter_args, settings, log)
     if engine_url and len(specs) != 1:
@@ -427,3 +427,22 @@ def main_serving_check(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main_serving_check())
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """`scripts/export.py`: the export (drafters/export.py), then with --serving-check the vLLM serving check."""
+    from drafters import export
+
+    parser = export.build_parser()
+    parser.add_argument("--serving-check", action="store_true",
+                        help="then serve the export in vLLM and check it against eval.acceptance (eval/engine.py)")
+    parser.add_argument("--target", default=None, help="serving check: target folder (default: the testbed target)")
+    parser.add_argument("--check-traces", default="code,prose", help="serving check: trace categories")
+    parser.add_argument("--agentic-log", action="append", default=[], help="serving check: agent sessions (ids)")
+    args = parser.parse_args(argv)
+    code = export.run(args)
+    if code or not args.serving_check:
+        return code
+    settings = serving_check_settings(args.out.parent / f"serving-check-{args.out.name}", args.target,
+                                      categories=args.check_traces.split(","), agentic_log=args.agentic_log)
+    return 0 if serving_check(args.out, settings)["passed"] else 1

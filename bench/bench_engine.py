@@ -94,12 +94,14 @@ def part_regenerate(args, tmp: Path) -> dict:
             if (tmp / f"regen-{backend}" / "summary.json").exists() else {}
         tokens = sum(sum(m) for m in dataset["loss_mask"])
         out[backend] = {"response_tokens": int(tokens), "wall_seconds": wall, "summary": summary}
+        if backend == "hf":
+            out["rows"] = [list(r) for r in dataset["input_ids"]]
     return out
 
 
-def part_capture(args, tmp: Path, regenerated: Path | None) -> dict:
+def part_capture(args, tmp: Path, regenerated: list[list[int]] | None) -> dict:
     import torch
-    from datasets import Dataset, load_from_disk
+    from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     from data.engine_capture import EngineCapture
@@ -109,8 +111,8 @@ def part_capture(args, tmp: Path, regenerated: Path | None) -> dict:
 
     target = prepare_testbed_target()
     layer_ids = [1, 8, 14, 20, 27]
-    if regenerated is not None and regenerated.exists():
-        rows = [{"input_ids": r} for r in load_from_disk(str(regenerated))["input_ids"]]
+    if regenerated:
+        rows = [{"input_ids": r} for r in regenerated]
     else:
         from data.chat_masks import load_tokenizer
 
@@ -153,12 +155,16 @@ def main(argv: list[str] | None = None) -> dict:
               "load_average_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        rows = None
         if "serve" in parts:
             result["serve"] = part_serve(args, tmp)
+            print(json.dumps({"part": "serve", **result["serve"]}, default=str), flush=True)
         if "regenerate" in parts:
             result["regenerate"] = part_regenerate(args, tmp)
+            rows = result["regenerate"].pop("rows")
+            print(json.dumps({"part": "regenerate", **result["regenerate"]}, default=str), flush=True)
         if "capture" in parts:
-            result["capture"] = part_capture(args, tmp, tmp / "regen-hf" if "regenerate" in parts else None)
+            result["capture"] = part_capture(args, tmp, rows)
     result["load_average_end"] = os.getloadavg()[0]
     print(json.dumps(result, default=str))
     return result

@@ -239,7 +239,7 @@ B, NEW = 8, 40
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     """A chaotic tiny Llama target (random weights x 8, vocab 512) saved as a folder, three logged agent
-    sessions, and a drafter trained 60 steps (CE, train/loss.py) on the target's greedy continuations."""
+    sessions, and a drafter trained 60 steps (CE, drafters/objective.py) on the target's greedy continuations."""
     root = tmp_path_factory.mktemp("tiny")
     target = tiny_llama_target(seed=0, vocab_size=512)
     with torch.no_grad():

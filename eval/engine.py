@@ -238,7 +238,7 @@ def evaluate_engine(drafter_args: list[str], settings, engine_url: str | None = 
     With ``engine_url`` (one drafter, already served there) and ``baseline_url`` (the target alone) the
     same measurements run against those servers. Writes report.json and report.md under settings.out.
     """
-    from eval.acceptance import EvalError, load_eval_tokenizer, prepare
+    from eval.acceptance import EvalError, prepare
 
     specs, target_path, target_config, tokenizer, trace_sets, notes = prepare(drafter_args, settings, log)
     if engine_url and len(specs) != 1:

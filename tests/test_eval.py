@@ -17,16 +17,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from configs.schema import DrafterConfig
 from data.chat_masks import load_tokenizer, prompt_ids
 from data.trajectories import write_trajectories
+from drafters.capture import HFCapture
 from drafters.checkpoint import save_drafter
 from drafters.draft_config import build_draft_config
+from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from eval import acceptance
 from eval.acceptance import EvalError, EvalSettings, evaluate, load_spec, main, prepare, resolve_drafter
-from eval.engine_testbed import NEW  # tokens the engine testbed's traces decode
 from eval.prompt_lookup import lookup_generate, propose, target_generate
 from eval.reference import load_reference_model
 from eval.traces import TraceError
-from drafters.testbed import prepare_testbed_target
+from drafters.testbed import prepare_testbed_target, tiny_llama_target
+from drafters.objective import block_loss, block_targets, default_gamma
 
 SMOL_MASK = 16
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -231,14 +233,47 @@ def test_random_drafter_end_to_end_report(smol, random_drafter, tmp_path):
 # A trained (non-trivial) drafter: ours vs the reference decoder, greedy and sampled (tiny target)
 # ---------------------------------------------------------------------------------------------
 
+B, NEW = 8, 40
+
+
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    """The engine testbed (eval/engine_testbed.py): a chaotic tiny Llama target saved as a folder, three logged
-    agent sessions, and a drafter trained 60 steps on the target's greedy continuations."""
-    from eval import engine_testbed
+    """A chaotic tiny Llama target (random weights x 8, vocab 512) saved as a folder, three logged agent
+    sessions, and a drafter trained 60 steps (CE, drafters/objective.py) on the target's greedy continuations."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = tiny_llama_target(seed=0, vocab_size=512)
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.mul_(8)
+    target.save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (1, 20), generator=g) for _ in range(3)]
+    log = agentic_log(root / "agent.jsonl", {f"s{i}": [p[0, :10].tolist(), p[0].tolist()] for i, p in enumerate(prompts)})
 
-    built = engine_testbed.build(tmp_path_factory.mktemp("tiny"))
-    return built["target"], built["log"], built["drafter"]
+    config = build_draft_config(DrafterConfig(num_layers=1, block_size=B, num_target_features=3), target.config, 511)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config)
+    head = FrozenTargetHead.from_model(target)
+    capture = HFCapture(target, drafter.target_layer_ids)
+    batch = []
+    for p in prompts:
+        seq = torch.tensor([p[0].tolist() + target_generate(target, p, NEW, None).tokens])
+        mask = torch.zeros_like(seq, dtype=torch.bool)
+        mask[:, p.shape[1]:] = True
+        anchors = torch.arange(p.shape[1] - 1, seq.shape[1] - 1)[None]
+        batch.append((seq, capture.capture(seq, with_final=False).selected,
+                      anchors, block_targets(anchors, torch.ones_like(anchors, dtype=torch.bool), mask, B)))
+    capture.remove()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(60):
+        opt.zero_grad()
+        for seq, feats, anchors, targets in batch:
+            hidden = drafter.forward_train(feats, seq, anchors, head.embed)
+            block_loss(hidden, targets, None, seq, head.lm_head.weight, gamma=default_gamma(B), kind="ce").loss.backward()
+        opt.step()
+    path = save_drafter(drafter.eval(), root / "trained")
+    return root / "target", log, path
 
 
 def test_trained_drafter_tau_equals_reference(tiny_setup, tmp_path):

@@ -30,17 +30,44 @@ def tiny_engine_target(seed: int = 0):
     return model
 
 
+def train_on_greedy_continuations(target, prompts, draft_config, new_tokens: int, stop_ids, steps: int = 60):
+    """A drafter fitted (CE, every anchor of each continuation) to the target's greedy continuations of prompts."""
+    from drafters.capture import HFCapture
+    from drafters.frozen_target import FrozenTargetHead
+    from drafters.model import DFlashDrafter
+    from drafters.objective import block_loss, block_targets, default_gamma
+    from eval.prompt_lookup import target_generate
+
+    block = draft_config.block_size
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config)
+    head = FrozenTargetHead.from_model(target)
+    capture = HFCapture(target, drafter.target_layer_ids)
+    batch = []
+    for p in prompts:
+        seq = torch.tensor([p[0].tolist() + target_generate(target, p, new_tokens, stop_ids).tokens])
+        mask = torch.zeros_like(seq, dtype=torch.bool)
+        mask[:, p.shape[1]:] = True
+        anchors = torch.arange(p.shape[1] - 1, seq.shape[1] - 1)[None]
+        batch.append((seq, capture.capture(seq, with_final=False).selected, anchors,
+                      block_targets(anchors, torch.ones_like(anchors, dtype=torch.bool), mask, block)))
+    capture.remove()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        for seq, feats, anchors, targets in batch:
+            hidden = drafter.forward_train(feats, seq, anchors, head.embed)
+            block_loss(hidden, targets, None, seq, head.lm_head.weight, gamma=default_gamma(block), kind="ce").loss.backward()
+        opt.step()
+    return drafter
+
+
 def build(root: Path) -> dict:
     """Saves the target, a three-session agent log (token ids) and a trained drafter under root."""
     from configs.schema import DrafterConfig
     from data.trajectories import write_trajectories
-    from drafters.capture import HFCapture
     from drafters.checkpoint import save_drafter
     from drafters.draft_config import build_draft_config
-    from drafters.frozen_target import FrozenTargetHead
-    from drafters.model import DFlashDrafter
-    from eval.prompt_lookup import target_generate
-    from drafters.objective import block_loss, block_targets, default_gamma
 
     root.mkdir(parents=True, exist_ok=True)
     target = tiny_engine_target()
@@ -57,26 +84,7 @@ def build(root: Path) -> dict:
 
     config = build_draft_config(DrafterConfig(num_layers=1, block_size=BLOCK, num_target_features=3),
                                 target.config, VOCAB - 1)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(config)
-    head = FrozenTargetHead.from_model(target)
-    capture = HFCapture(target, drafter.target_layer_ids)
-    batch = []
-    for p in prompts:
-        seq = torch.tensor([p[0].tolist() + target_generate(target, p, NEW, [2]).tokens])
-        mask = torch.zeros_like(seq, dtype=torch.bool)
-        mask[:, p.shape[1]:] = True
-        anchors = torch.arange(p.shape[1] - 1, seq.shape[1] - 1)[None]
-        batch.append((seq, capture.capture(seq, with_final=False).selected, anchors,
-                      block_targets(anchors, torch.ones_like(anchors, dtype=torch.bool), mask, BLOCK)))
-    capture.remove()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for _ in range(60):
-        opt.zero_grad()
-        for seq, feats, anchors, targets in batch:
-            hidden = drafter.forward_train(feats, seq, anchors, head.embed)
-            block_loss(hidden, targets, None, seq, head.lm_head.weight, gamma=default_gamma(BLOCK), kind="ce").loss.backward()
-        opt.step()
+    drafter = train_on_greedy_continuations(target, prompts, config, NEW, [2])
     drafter_dir = save_drafter(drafter.eval(), root / "trained")
     return {"target": root / "target", "log": root / "agent.jsonl", "drafter": Path(drafter_dir)}
 

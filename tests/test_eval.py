@@ -17,18 +17,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from configs.schema import DrafterConfig
 from data.chat_masks import load_tokenizer, prompt_ids
 from data.trajectories import write_trajectories
-from drafters.capture import HFCapture
 from drafters.checkpoint import save_drafter
 from drafters.draft_config import build_draft_config
-from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from eval import acceptance
 from eval.acceptance import EvalError, EvalSettings, evaluate, load_spec, main, prepare, resolve_drafter
+from eval.engine_testbed import train_on_greedy_continuations
 from eval.prompt_lookup import lookup_generate, propose, target_generate
 from eval.reference import load_reference_model
 from eval.traces import TraceError
 from drafters.testbed import prepare_testbed_target, tiny_llama_target
-from drafters.objective import block_loss, block_targets, default_gamma
 
 SMOL_MASK = 16
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -252,26 +250,7 @@ def tiny_setup(tmp_path_factory):
     log = agentic_log(root / "agent.jsonl", {f"s{i}": [p[0, :10].tolist(), p[0].tolist()] for i, p in enumerate(prompts)})
 
     config = build_draft_config(DrafterConfig(num_layers=1, block_size=B, num_target_features=3), target.config, 511)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(config)
-    head = FrozenTargetHead.from_model(target)
-    capture = HFCapture(target, drafter.target_layer_ids)
-    batch = []
-    for p in prompts:
-        seq = torch.tensor([p[0].tolist() + target_generate(target, p, NEW, None).tokens])
-        mask = torch.zeros_like(seq, dtype=torch.bool)
-        mask[:, p.shape[1]:] = True
-        anchors = torch.arange(p.shape[1] - 1, seq.shape[1] - 1)[None]
-        batch.append((seq, capture.capture(seq, with_final=False).selected,
-                      anchors, block_targets(anchors, torch.ones_like(anchors, dtype=torch.bool), mask, B)))
-    capture.remove()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for _ in range(60):
-        opt.zero_grad()
-        for seq, feats, anchors, targets in batch:
-            hidden = drafter.forward_train(feats, seq, anchors, head.embed)
-            block_loss(hidden, targets, None, seq, head.lm_head.weight, gamma=default_gamma(B), kind="ce").loss.backward()
-        opt.step()
+    drafter = train_on_greedy_continuations(target, prompts, config, NEW, None)
     path = save_drafter(drafter.eval(), root / "trained")
     return root / "target", log, path
 

@@ -20,7 +20,9 @@ class Strict(BaseModel):
 class TargetConfig(Strict):
     # A local HF folder. None means the embedded testbed target (SmolLM2-135M-Instruct, converted on demand).
     path: str | None = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # Compute dtype of the target wherever it runs (regeneration, capture, online features). auto: bf16 on a
+    # GPU or a CPU with bf16 instructions (AVX512-BF16, AMX), else float32: emulated bf16 is ~5x slower.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # HF device_map for sharding a large target over several GPUs ("auto"), or a single device ("cpu", "cuda:0").
     device_map: str | dict[str, Any] | None = None
     # Feature backend: "hf" (forward hooks, in process); "vllm": offline features captured by the engine

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from datasets import Dataset, concatenate_datasets
 
+from common.dtypes import dtype_name, torch_dtype
 from configs.schema import PipelineConfig
 
 # Characters per prompt token for the prompt builders' budget; longer prompts are quarantined by
@@ -80,6 +81,9 @@ def mixture_key(config: PipelineConfig, target_path: Path) -> str:
     ignored = {"prefilled_samples"} | ({"generation_backend"} if config.data.mixture.generation_backend == "hf" else set())
     settings = {"mixture": config.data.mixture.model_dump(mode="json", exclude=ignored), "seed": config.data.seed,
                 "target": str(Path(target_path).resolve()), "target_config": hashlib.sha256(target_config).hexdigest()}
+    compute_dtype = dtype_name(torch_dtype(config.target.dtype))
+    if compute_dtype != "bfloat16":  # greedy text differs between dtypes at near-ties; bf16 caches keep their key
+        settings["target_dtype"] = compute_dtype
     if config.data.thinking is not None:  # unset: caches made before the setting existed keep their key
         settings["thinking"] = config.data.thinking
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]

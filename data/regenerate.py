@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Iterable
 
 from common.atomic_files import atomic_file, atomic_folder, write_text_atomic
-from common.dtypes import TORCH_DTYPES
+from common import dtypes
 from common.locks import FileLock
 from data.chat_masks import PromptLike, build_from_generation, load_tokenizer, prompt_field, prompt_ids
 from data.generation import BatchGenerator, stop_token_ids
@@ -240,7 +240,7 @@ def regenerate(
     top_k: int = 0,
     seed: int = 0,
     max_prompt_tokens: int | None = 2048,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     chat_template: str | None = None,
     sort_by_length: bool = True,
     max_batches: int | None = None,
@@ -282,7 +282,7 @@ def regenerate(
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     if temperature < 0:
         raise ValueError("temperature must be >= 0")
-    torch_dtype = TORCH_DTYPES[str(dtype)]
+    torch_dtype = dtypes.torch_dtype(dtype)
     if num_threads:
         torch.set_num_threads(num_threads)
 

@@ -87,7 +87,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from common.atomic_files import write_text_atomic
-from common.dtypes import TORCH_DTYPES
+from common.dtypes import torch_dtype
 from data.chat_masks import encode, load_tokenizer, prompt_ids, render
 from data.generation import BatchGenerator
 from data.sources import DEFAULT_HELDOUT_FRACTION, Document, load_code, split_documents, stdlib_dir
@@ -182,7 +182,7 @@ class SimConfig:
     context_cap: int = 1536  # prompt + new tokens above this triggers compaction
     batch_size: int = 8
     temperature: float = 0.0  # 0 = greedy
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bf16 where the hardware multiplies it natively, else float32
     format: str = "jsonl.gz"
     tool_role: str = "tool"  # role of tool-result messages ("tool" or "user")
     heldout_fraction: float = DEFAULT_HELDOUT_FRACTION
@@ -837,7 +837,7 @@ def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bo
     if model is None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(target), dtype=TORCH_DTYPES[config.dtype]).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch_dtype(config.dtype)).eval()
     max_positions = getattr(model.config, "max_position_embeddings", None)
     longest = config.context_cap + max(config.tool_tokens, config.summary_tokens) + 512
     if max_positions is not None and longest > max_positions:
@@ -916,7 +916,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--context-cap", type=int, default=d.context_cap, help="compact above this many tokens")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype)
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype)
     p.add_argument("--format", choices=tuple(FORMATS), default=d.format)
     p.add_argument("--tool-role", choices=("tool", "user"), default=d.tool_role)
     p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction)

@@ -54,3 +54,18 @@ def test_max_steps_must_be_at_least_one():
     for bad in ("-1", "0"):
         with pytest.raises(ConfigError, match=r"'train\.max_steps': Input should be greater than or equal to 1"):
             load_config(None, [f"train.max_steps={bad}"])
+
+
+def test_auto_dtype_is_bf16_only_where_the_hardware_multiplies_it_natively():
+    import torch
+
+    from common.dtypes import native_bf16, torch_dtype
+
+    assert native_bf16("cpu", frozenset({"avx2", "fma"})) is False  # AMD Zen 3: bf16 emulated, ~5x slower than fp32
+    assert native_bf16("cpu", frozenset({"avx512f", "avx512_bf16"})) is True
+    assert native_bf16("cpu", frozenset({"amx_tile", "amx_bf16"})) is True
+    assert torch_dtype("auto") == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
+    assert torch_dtype("bf16") == torch.bfloat16 and torch_dtype("float32") == torch.float32
+    with pytest.raises(KeyError, match="'auto'"):
+        torch_dtype("int8")
+    assert load_config(None, []).target.dtype == "auto"

@@ -30,3 +30,11 @@ def test_prefilled_samples_need_greedy_path_training_and_leave_the_regeneration_
     with pytest.raises(ConfigError, match="anchor_scope"):
         load_config(None, ["data.mixture.prefilled_samples=6"])
     assert mixture_key(_config(), testbed_target) == mixture_key(load_config(None, []), testbed_target)
+
+
+def test_the_regeneration_cache_key_follows_the_target_compute_dtype(testbed_target):
+    bf16, fp32 = (mixture_key(load_config(None, [f"target.dtype={d}"]), testbed_target) for d in ("bfloat16", "float32"))
+    assert bf16 != fp32  # greedy text differs between dtypes at near-ties
+    auto = mixture_key(load_config(None, ["target.dtype=auto"]), testbed_target)
+    from common.dtypes import native_bf16
+    assert auto == (bf16 if native_bf16("cpu") else fp32)

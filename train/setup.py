@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset, load_from_disk
 
-from common.dtypes import TORCH_DTYPES
+from common.dtypes import torch_dtype
 from configs.schema import PipelineConfig
 from drafters.draft_config import build_draft_config as _build_draft_config
 from drafters.draft_config import choose_mask_token_id
@@ -50,7 +50,7 @@ def load_target_model(config: PipelineConfig, target_path: Path, device: torch.d
     from drafters.target_loading import load_target_model as load
 
     device_map = config.target.device_map if device.type != "cpu" else None
-    model = load(target_path, dtype=TORCH_DTYPES[config.target.dtype], device_map=device_map,
+    model = load(target_path, dtype=torch_dtype(config.target.dtype, device), device_map=device_map,
                  trust_remote_code=config.target.trust_remote_code)
     return model if device_map is not None else model.to(device)
 

@@ -23,7 +23,7 @@ import torch
 def continuations(target, tokenizer, prompts: int, new_tokens: int, categories=("code", "prose")) -> dict:
     """{category: [(sequence [1, T], n_prompt)]}: each held-out prompt and the target's greedy answer."""
     from eval.acceptance import target_stop_ids
-    from eval.prompt_lookup import target_generate
+    from drafters.spec_decode import target_generate
     from eval.traces import heldout_traces
 
     stop_ids = target_stop_ids(tokenizer, target)

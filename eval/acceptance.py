@@ -34,7 +34,7 @@ import torch
 
 from common.dtypes import TORCH_DTYPES
 from drafters.checkpoint import find_drafter_folder, load_drafter
-from eval.prompt_lookup import Decoded, lookup_generate, target_generate
+from drafters.spec_decode import Decoded, generate, lookup_generate, target_generate
 from eval.traces import CATEGORIES, TraceError, TraceSet, agentic_traces, heldout_traces
 
 TARGET = "target"
@@ -183,41 +183,6 @@ class EvalSettings:
 # --------------------------------------------------------------------------------------------------
 # Measurements
 # --------------------------------------------------------------------------------------------------
-
-
-class TimedCapture:
-    """Wraps an HFCapture for drafters.spec_decode.generate and times each target pass (the first is the
-    prefill), so decode time excludes the prompt's prefill exactly as for the other methods."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.layer_ids = inner.layer_ids
-        self.seconds: list[float] = []
-
-    def capture(self, *args, **kwargs):
-        started = time.perf_counter()
-        out = self.inner.capture(*args, **kwargs)
-        self.seconds.append(time.perf_counter() - started)
-        return out
-
-    def remove(self):
-        self.inner.remove()
-
-
-def drafter_generate(drafter, target, head, input_ids, max_new_tokens, stop_ids, temperature, generator) -> Decoded:
-    from drafters.capture import HFCapture
-    from drafters.spec_decode import generate
-
-    capture = TimedCapture(HFCapture(target, drafter.target_layer_ids))
-    try:
-        started = time.perf_counter()
-        out = generate(drafter, target, input_ids, max_new_tokens, stop_ids, temperature,
-                       head=head, capture=capture, generator=generator)
-        total = time.perf_counter() - started
-    finally:
-        capture.remove()
-    tokens = out.output_ids[0, input_ids.shape[1]:].tolist()
-    return Decoded(tokens, list(out.acceptance_lengths), capture.seconds[0] if capture.seconds else 0.0, total)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -471,7 +436,7 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
         ids = torch.tensor([first.input_ids[-32:]])
         target_generate(target, ids, 3, None, 0.0)
         for name, drafter in drafters.items():
-            drafter_generate(drafter, target, head, ids, 3, None, 0.0, None)
+            generate(drafter, target, ids, 3, None, 0.0, head=head)
 
     prompts: list[dict] = []
     mismatches: list[dict] = []
@@ -491,8 +456,8 @@ def _evaluate(specs, target_path, target_config, tokenizer, trace_sets, notes, s
                                               num_draft=lookup_draft, max_ngram=settings.lookup_max_ngram,
                                               min_ngram=settings.lookup_min_ngram, generator=gen(1))
             for m_index, spec in enumerate(specs):
-                results[spec.name] = drafter_generate(drafters[spec.name], target, head, ids, settings.max_new_tokens,
-                                                      stop_ids, temperature, gen(2 + m_index))
+                results[spec.name] = generate(drafters[spec.name], target, ids, settings.max_new_tokens, stop_ids,
+                                              temperature, head=head, generator=gen(2 + m_index))
             truth = results[TARGET].tokens
             row = {"category": category, "id": trace.id, "prompt_tokens": trace.num_tokens, "meta": trace.meta,
                    "results": {}}

@@ -23,7 +23,8 @@ from drafters.model import DFlashDrafter
 from eval import acceptance
 from eval.acceptance import EvalError, EvalSettings, evaluate, load_spec, main, prepare, resolve_drafter
 from eval.engine_testbed import train_on_greedy_continuations
-from eval.prompt_lookup import lookup_generate, propose, target_generate
+from drafters.proposers import ngram_lookup
+from drafters.spec_decode import lookup_generate, target_generate
 from eval.reference import load_reference_model
 from eval.traces import TraceError
 from drafters.testbed import prepare_testbed_target, tiny_llama_target
@@ -86,13 +87,13 @@ def edited_copy(src, dst, **changes):
 # Prompt lookup
 # ---------------------------------------------------------------------------------------------
 
-def test_propose_matches_the_earliest_longest_ngram():
+def test_ngram_lookup_matches_the_earliest_longest_ngram():
     ctx = [7, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2, 3]
-    assert propose(ctx, 3, 1, 4) == [9, 9, 1, 2]           # earliest [1, 2, 3], not the later one
-    assert propose([5, 6, 8, 6], 3, 1, 3) == [8, 6]         # falls back to a 1-gram, stops at the end
-    assert propose([1, 2, 3, 4], 3, 1, 5) == []             # nothing repeats
-    assert propose([4, 4], 3, 2, 5) == []                   # min_ngram respected
-    assert propose(ctx, 3, 1, 0) == []
+    assert ngram_lookup(ctx, 3, 1, 4) == [9, 9, 1, 2]           # earliest [1, 2, 3], not the later one
+    assert ngram_lookup([5, 6, 8, 6], 3, 1, 3) == [8, 6]         # falls back to a 1-gram, stops at the end
+    assert ngram_lookup([1, 2, 3, 4], 3, 1, 5) == []             # nothing repeats
+    assert ngram_lookup([4, 4], 3, 2, 5) == []                   # min_ngram respected
+    assert ngram_lookup(ctx, 3, 1, 0) == []
 
 
 @torch.no_grad()

@@ -50,7 +50,7 @@ def lookup_hits(sequence: torch.Tensor, n_prompt: int) -> torch.Tensor:
 
 
 def score(drafter, head, features_of, rows_of) -> dict:
-    from eval.acceptance import teacher_forced_slots
+    from eval.measures import teacher_forced_slots
     from drafters.objective import acceptance_stats
 
     out = {}

@@ -2,7 +2,7 @@
 
   python bench/bench_drafter.py [--contexts 512 1024 2048] [--anchors 32] [--dtypes bfloat16 float32]
 
-Training: forward_train over one sequence with N anchors + backward, with the loss on the draft hidden
+Training: the drafter's training forward over one sequence with N anchors + backward, with the loss on the draft hidden
 states only ("drafter"), and with a CE over the 49,152-token lm_head on every drafted slot added
 ("drafter+lm_head"), which is what a real step pays. Inference: one `step` (a few new context tokens
 + one block) against a draft cache holding the whole context, alone and with the 15 slots' logits.
@@ -54,7 +54,7 @@ def bench(dtype: torch.dtype, contexts, anchors: int, reps: int) -> dict:
 
         def train_step(with_head: bool):
             drafter.zero_grad(set_to_none=True)
-            hidden = drafter.forward_train(feats, ids, anchor_pos, head.embed)
+            hidden = drafter(feats, ids, anchor_pos, head.embed)
             if with_head:
                 logits = head.logits(hidden[:, :, 1:].flatten(0, 2)).float()
                 loss = torch.nn.functional.cross_entropy(logits, labels)

@@ -22,8 +22,8 @@ import torch
 
 def continuations(target, tokenizer, prompts: int, new_tokens: int, categories=("code", "prose")) -> dict:
     """{category: [(sequence [1, T], n_prompt)]}: each held-out prompt and the target's greedy answer."""
-    from eval.acceptance import target_stop_ids
-    from eval.prompt_lookup import target_generate
+    from eval.inputs import target_stop_ids
+    from drafters.spec_decode import target_generate
     from eval.traces import heldout_traces
 
     stop_ids = target_stop_ids(tokenizer, target)
@@ -43,7 +43,8 @@ def main(argv=None) -> None:
     from drafters.capture import HFCapture
     from drafters.checkpoint import find_drafter_folder, load_drafter
     from drafters.frozen_target import FrozenTargetHead
-    from eval.acceptance import parse_drafter_arg, teacher_forced_slots
+    from eval.inputs import parse_drafter_arg
+    from eval.measures import teacher_forced_slots
     from configs.paths import default_cache_dir
     from drafters.objective import acceptance_stats
 

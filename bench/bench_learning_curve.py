@@ -39,18 +39,18 @@ def lookup_hits(sequence: torch.Tensor, n_prompt: int) -> torch.Tensor:
     """[N] bool per continuation anchor a (as teacher_forced_slots orders them): prompt lookup's first
     drafted token after a is the target's next token. Splits slot-1 accuracy into copyable positions
     (the context already holds the answer) and the rest."""
-    from eval.prompt_lookup import propose
+    from drafters.proposers import ngram_lookup
 
     tokens = sequence[0].tolist()
     hits = []
     for a in range(n_prompt, len(tokens) - 1):
-        proposal = propose(tokens[: a + 1], num_draft=1)
+        proposal = ngram_lookup(tokens[: a + 1], num_draft=1)
         hits.append(bool(proposal) and proposal[0] == tokens[a + 1])
     return torch.tensor(hits, dtype=torch.bool)
 
 
 def score(drafter, head, features_of, rows_of) -> dict:
-    from eval.acceptance import teacher_forced_slots
+    from eval.measures import teacher_forced_slots
     from drafters.objective import acceptance_stats
 
     out = {}

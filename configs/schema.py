@@ -139,8 +139,8 @@ class TrainConfig(Strict):
     # Resume refuses a checkpoint holding a pickle (DeepSpeed writes its state with pickle): unpickling runs
     # code. True: the checkpoint folder is trusted.
     trust_checkpoint_pickles: bool = False
-    # Resume refuses settings that changed the run's meaning since its checkpoints (train/drift.py); True
-    # accepts them (they apply from the resumed step).
+    # Resume refuses settings that changed the run's meaning since its checkpoints
+    # (train.checkpointing.check_config_drift); True accepts them (they apply from the resumed step).
     resume_allow_config_change: bool = False
     # Non-finite loss or gradient norm: the step is skipped; this many in a row stop the run.
     max_nonfinite_steps: int = Field(3, ge=1)
@@ -153,11 +153,47 @@ class TrainConfig(Strict):
 
 
 class EvalConfig(Strict):
-    categories: list[Literal["code", "prose", "agentic"]] = ["code", "prose", "agentic"]
-    max_prompts: int = Field(16, ge=1)
+    """The eval section: every setting of eval/acceptance.py (its flags set the same keys). The run's target,
+    cache and thinking switch come from the target, cache_dir and data sections."""
+
+    # Trace categories: held-out code / prose / chat prompts, and agent sessions from agentic_log.
+    categories: list[Literal["code", "prose", "agentic", "chat"]] = Field(["code", "prose", "agentic"], min_length=1)
+    # Held-out agent sessions (trajectory files or folders, token ids) for the agentic category.
+    agentic_log: list[str] = []
+    agentic_per_session: int = Field(1, ge=1)  # the last N requests of each session
+    max_prompts: int = Field(16, ge=1)  # per category
     max_new_tokens: int = Field(128, ge=1)
+    # Per category: a budget of prompt tokens + max_new_tokens per prompt. None: no limit.
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0)
+    # The first N prompts of each category are cross-checked with z-lab's reference decoder.
     reference_subset: int = Field(4, ge=0)
+    # Target and drafters alike; float32 keeps greedy comparisons exact, bfloat16 is faster on a CPU.
+    dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = "float32"
+    seed: int = 0
+    max_chars: int = Field(2000, ge=1)  # held-out prompt size (characters of the user message)
+    lookup_max_ngram: int = Field(3, ge=1)
+    lookup_min_ngram: int = Field(1, ge=1)
+    # Prompt lookup's drafts per step. None: the first drafter's block size - 1 (15 without drafters).
+    lookup_num_draft: int | None = Field(None, ge=0)
+    simulate: bool = True  # the teacher-forced estimate (sim tau) next to the real one
+    warmup: bool = True  # one short decode first, so first-call allocations stay out of the timings
+    # Report folder. None: <output_dir>/eval.
+    out: str | None = None
+    wandb: bool = False  # log the summary and plots (project and mode from the logging section)
+    threads: int | None = Field(None, ge=1)  # torch CPU threads; None: the cores the load average leaves free
+
+
+class RetrainEvalConfig(EvalConfig):
+    """retrain.eval: the promotion gate's eval, with the eval section's keys. The gate decodes the held-out agent
+    traffic (agentic_log is set by the cycle) greedily and needs no estimate, reference decoder or warmup."""
+
+    categories: list[Literal["agentic"]] = Field(["agentic"], min_length=1)
+    temperature: float = Field(0.0, ge=0.0, le=0.0)  # greedy: the candidate's output is compared with the target's
+    max_new_tokens: int = Field(64, ge=1)
+    reference_subset: int = Field(0, ge=0)
+    simulate: bool = False
+    warmup: bool = False
 
 
 class LoggingConfig(Strict):
@@ -187,11 +223,9 @@ class RetrainConfig(Strict):
     export_dtypes: list[Literal["bf16", "fp8"]] = ["bf16", "fp8"]
     # FP8 needs widths that are multiples of 128; True writes it anyway (not servable by SGLang's kernels).
     export_allow_unaligned: bool = False
-    eval_max_prompts: int = Field(16, ge=1)
-    eval_max_new_tokens: int = Field(64, ge=1)
-    eval_max_tokens: int | None = Field(None, ge=1)
-    eval_requests_per_session: int = Field(1, ge=1)
-    eval_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The gate's eval: max_prompts held-out requests (the last agentic_per_session of each held-out session),
+    # max_new_tokens each, in dtype; the eval section's other keys too.
+    eval: RetrainEvalConfig = RetrainEvalConfig()
     # Serve the candidate's bf16 export in vLLM before promoting it (eval/engine.py serving_check: greedy
     # outputs equal the target's, engine tau within 2% of the decoder's, on the gate's held-out requests).
     serving_check: bool = False
@@ -275,6 +309,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set_dotted(tree, key, value)
     if overrides:
         source += " + overrides " + " ".join(overrides)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
+
+
+def with_values(config: PipelineConfig, values: dict[str, Any], source: str = "command line") -> PipelineConfig:
+    """A copy of config with dotted keys set to values (e.g. {"eval.max_prompts": 4}), validated like a file."""
+    tree = config.model_dump(mode="python")
+    for key, value in values.items():
+        _set_dotted(tree, key, value)
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as err:

@@ -55,11 +55,11 @@ COLUMNS = ("prompt_id", "category", "source", "input_ids", "loss_mask", "finishe
            "num_prompt_tokens")
 
 __all__ = [
-    "COLUMNS", "RegenerationInterrupted", "features", "load_regenerated", "read_quarantine", "regenerate",
+    "COLUMNS", "RegenerationInterrupted", "dataset_schema", "load_regenerated", "read_quarantine", "regenerate",
 ]
 
 
-def features():
+def dataset_schema():
     """The dataset schema (``datasets.Features``)."""
     from datasets import Features, List, Value
 
@@ -407,7 +407,7 @@ def regenerate(
         if missing:
             raise RuntimeError(f"internal error: {len(missing)} prompts have no shard row, e.g. {missing[:3]}")
         table = table.take(pa.array([position[p.id] for p in sorted(valid, key=lambda p: p.index)], pa.int64()))
-        dataset = Dataset(InMemoryTable(table.select(list(COLUMNS))), info=DatasetInfo(features=features()))
+        dataset = Dataset(InMemoryTable(table.select(list(COLUMNS))), info=DatasetInfo(features=dataset_schema()))
         final = out_dir / DATASET_DIR
         with atomic_folder(final) as tmp:
             dataset.save_to_disk(str(tmp))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from common.atomic_files import atomic_folder
-from drafters.draft_config import build_target_layer_ids, choose_mask_token_id, validate_target  # noqa: F401  (public API)
+from drafters.draft_config import validate_target
 from drafters.model import DFlashDrafter
 
 CONFIG_NAME = "config.json"

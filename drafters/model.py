@@ -7,8 +7,8 @@ embeddings and the vocabulary projection belong to the frozen target (drafters.f
 state dict holds exactly the reference checkpoint's names.
 
 Two entry points share the same layers:
-  forward (= forward_train): training; N anchored blocks per sequence in one pass, masked as in
-                 drafters.blocks. Calling the module runs it (so DDP/accelerate wrappers see it).
+  forward: training; N anchored blocks per sequence in one pass, masked as in drafters.blocks. Call the
+           module (drafter(features, input_ids, anchors, embed)), so DDP/accelerate wrappers see it.
   step:          inference; a DraftCache holds context K/V only, block K/V are never stored.
 """
 
@@ -194,8 +194,6 @@ class DFlashDrafter(nn.Module):
             k, v = layer.self_attn.keys_values(context, ctx_rope)
             x = layer(x, block_rope, k, v, mask)
         return self.norm(x).view(bsz, n, b, -1)
-
-    forward_train = forward  # the same call, by a name that says which path it is
 
     def step(self, new_target_features, block_embeds, start: int, cache: DraftCache) -> torch.Tensor:
         """One inference draft: append context, draft a block, leave only context in the cache.

@@ -230,24 +230,26 @@ def _engine_for(target: Path, drafter: Path | None, url: str | None, engine_kwar
     return InProcessEngine(target, drafter, **engine_kwargs)
 
 
-def evaluate_engine(drafter_args: list[str], settings, engine_url: str | None = None,
+def evaluate_engine(drafter_args: list[str], config, engine_url: str | None = None,
                     baseline_url: str | None = None, log=print, engine_kwargs: dict | None = None) -> dict:
     """tau and tokens/s of each drafter served by vLLM, and the target alone, on eval.acceptance's traces.
 
     In process: one engine per drafter, then one for the target alone, started one after the other.
     With ``engine_url`` (one drafter, already served there) and ``baseline_url`` (the target alone) the
-    same measurements run against those servers. Writes report.json and report.md under settings.out.
+    same measurements run against those servers. Writes report.json and report.md under the eval's report_dir.
     """
-    from eval.acceptance import EvalError, prepare
+    from eval.acceptance import settings_record
+    from eval.inputs import EvalError, prepare, report_dir
 
-    specs, target_path, target_config, tokenizer, trace_sets, notes = prepare(drafter_args, settings, log)
+    settings = config.eval
+    specs, target_path, target_config, tokenizer, trace_sets, notes = prepare(drafter_args, config, log)
     if engine_url and len(specs) != 1:
         raise EvalError(f"--engine-url serves one drafter; {len(specs)} were given")
     engine_kwargs = dict(engine_kwargs or {})
     engine_kwargs.setdefault("dtype", settings.dtype if settings.dtype not in ("fp32", "bf16") else
                              {"fp32": "float32", "bf16": "bfloat16"}[settings.dtype])
     stop_ids = _stop_ids(target_path, tokenizer)
-    out_dir = Path(settings.out)
+    out_dir = report_dir(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     methods: dict[str, dict] = {}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
@@ -274,7 +276,7 @@ def evaluate_engine(drafter_args: list[str], settings, engine_url: str | None = 
         own = methods[name]["all"]["tokens_per_s_e2e"]
         methods[name]["speedup_e2e"] = own / base if own and base else None
     report = {"backend": "vllm", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "target": str(target_path),
-              "drafters": [s.describe() for s in specs], "settings": {**asdict(settings), "stop_ids": stop_ids},
+              "drafters": [s.describe() for s in specs], "settings": {**settings_record(config), "stop_ids": stop_ids},
               "categories": {c: ts.describe() for c, ts in trace_sets.items()}, "methods": methods, "notes": notes}
     write_json_atomic(out_dir / "report.json", report)
     (out_dir / "report.md").write_text(engine_report_markdown(report))
@@ -319,31 +321,30 @@ def _stop_ids(target_path: Path, tokenizer) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 
 
-def serving_check(export_dir: str | Path, settings, *, engine: Engine | None = None, log=print,
+def serving_check(export_dir: str | Path, config, *, engine: Engine | None = None, log=print,
                   engine_kwargs: dict | None = None) -> dict:
     """Serve `export_dir` as a DFlash speculator and hold it to the Python decoder on the same prompts.
 
-    Runs `eval.acceptance.evaluate` (settings: target, traces, max_new_tokens; T = 0) for the target's
+    Runs `eval.acceptance.evaluate` (config: target, eval traces, max_new_tokens; T = 0) for the target's
     greedy outputs and the decoder's tau, then the engine with the export. Passes when every served output
     equals the target's greedy output and the engine's tau is within 2% of the decoder's. `engine` reuses
-    an engine already serving this export. Writes serving_check.json under settings.out; returns its content.
+    an engine already serving this export. Writes serving_check.json under the eval's report_dir; returns its content.
     """
+    from configs.schema import with_values
     from eval.acceptance import evaluate
-
-    import dataclasses
+    from eval.inputs import prepare, report_dir
 
     export_dir = Path(export_dir)
-    if settings.temperature > 0:
+    if config.eval.temperature > 0:
         raise ValueError("the serving check compares greedy outputs: temperature must be 0")
     if json.loads((export_dir / "config.json").read_text()).get("quantization_config"):
-        settings = dataclasses.replace(settings, dtype="bfloat16")  # vLLM's FP8 layers take bf16/fp16 only
-    decoder = evaluate([f"export={export_dir}"], settings, log=lambda *a, **k: None)
+        config = with_values(config, {"eval.dtype": "bfloat16"})  # vLLM's FP8 layers take bf16/fp16 only
+    settings = config.eval
+    decoder = evaluate([f"export={export_dir}"], config, log=lambda *a, **k: None)
     truth = {(p["category"], p["id"]): p["results"]["target"]["output_ids"] for p in decoder["prompts"]}
     specs_tau = decoder["categories"].get("all", next(iter(decoder["categories"].values())))["methods"]["export"]
     tau_decoder = specs_tau["tau_mean"]
-    from eval.acceptance import prepare
-
-    _, target_path, _, tokenizer, trace_sets, _ = prepare([str(export_dir)], settings, lambda *a, **k: None)
+    _, target_path, _, tokenizer, trace_sets, _ = prepare([str(export_dir)], config, lambda *a, **k: None)
     stop_ids = decoder["settings"]["stop_ids"]
     own = engine is None
     if own:
@@ -385,7 +386,7 @@ def serving_check(export_dir: str | Path, settings, *, engine: Engine | None = N
     # definition, so the check holds that one to 2% (and reports both).
     delivered_rel = result["tau_delivered_rel_diff"]
     result["passed"] = not mismatched and delivered_rel is not None and abs(delivered_rel) <= TAU_TOLERANCE
-    out = Path(settings.out)
+    out = report_dir(config)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "serving_check.json", result)
     verdict = "passed" if result["passed"] else "FAILED"
@@ -396,15 +397,15 @@ def serving_check(export_dir: str | Path, settings, *, engine: Engine | None = N
     return result
 
 
-def serving_check_settings(out: str | Path, target: str | None = None, *, categories=("code", "prose"),
-                           agentic_log: list[str] | None = None, max_prompts: int = 4, max_new_tokens: int = 64,
-                           cache_dir: str | None = None):
-    """EvalSettings for a serving check: greedy, fp32, no teacher-forced estimate, no reference decoder."""
-    from eval.acceptance import EvalSettings
+def serving_check_config(out: str | Path, target: str | None = None, *, categories=("code", "prose"),
+                         agentic_log: list[str] | None = None, max_prompts: int = 4, max_new_tokens: int = 64,
+                         cache_dir: str | None = None):
+    """The config of a serving check: greedy, fp32, no teacher-forced estimate, no reference decoder."""
+    from configs.schema import EvalConfig, PipelineConfig, TargetConfig
 
-    return EvalSettings(target=target, cache_dir=cache_dir, categories=list(categories),
-                        agentic_log=list(agentic_log or []), max_prompts=max_prompts, max_new_tokens=max_new_tokens,
-                        reference_subset=0, simulate=False, warmup=False, out=str(out))
+    return PipelineConfig(cache_dir=cache_dir, target=TargetConfig(path=target), eval=EvalConfig(
+        categories=list(categories), agentic_log=list(agentic_log or []), max_prompts=max_prompts,
+        max_new_tokens=max_new_tokens, reference_subset=0, simulate=False, warmup=False, out=str(out)))
 
 
 def main_serving_check(argv: list[str] | None = None) -> int:
@@ -420,9 +421,9 @@ def main_serving_check(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="default: EXPORT/../serving-check-NAME")
     args = parser.parse_args(argv)
     out = args.out or str(Path(args.export).parent / f"serving-check-{Path(args.export).name}")
-    settings = serving_check_settings(out, args.target, categories=args.traces.split(","),
-                                      max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens)
-    return 0 if serving_check(args.export, settings)["passed"] else 1
+    config = serving_check_config(out, args.target, categories=args.traces.split(","),
+                                  max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens)
+    return 0 if serving_check(args.export, config)["passed"] else 1
 
 
 if __name__ == "__main__":
@@ -443,6 +444,6 @@ def export_main(argv: list[str] | None = None) -> int:
     code = export.run(args)
     if code or not args.serving_check:
         return code
-    settings = serving_check_settings(args.out.parent / f"serving-check-{args.out.name}", args.target,
-                                      categories=args.check_traces.split(","), agentic_log=args.agentic_log)
-    return 0 if serving_check(args.out, settings)["passed"] else 1
+    config = serving_check_config(args.out.parent / f"serving-check-{args.out.name}", args.target,
+                                  categories=args.check_traces.split(","), agentic_log=args.agentic_log)
+    return 0 if serving_check(args.out, config)["passed"] else 1

@@ -36,7 +36,7 @@ def train_on_greedy_continuations(target, prompts, draft_config, new_tokens: int
     from drafters.frozen_target import FrozenTargetHead
     from drafters.model import DFlashDrafter
     from drafters.objective import block_loss, block_targets, default_gamma
-    from eval.prompt_lookup import target_generate
+    from drafters.spec_decode import target_generate
 
     block = draft_config.block_size
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def train_on_greedy_continuations(target, prompts, draft_config, new_tokens: int
     for _ in range(steps):
         opt.zero_grad()
         for seq, feats, anchors, targets in batch:
-            hidden = drafter.forward_train(feats, seq, anchors, head.embed)
+            hidden = drafter(feats, seq, anchors, head.embed)
             block_loss(hidden, targets, None, seq, head.lm_head.weight, gamma=default_gamma(block), kind="ce").loss.backward()
         opt.step()
     return drafter

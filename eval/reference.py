@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eval.prompt_lookup import Decoded
+from drafters.spec_decode import Decoded
 
 
 def reference_module():

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HELDOUT_CATEGORIES = ("code", "prose", "chat")
-CATEGORIES = ("code", "prose", "agentic", "chat")  # "chat" only from the CLI (EvalConfig lists the first three)
+CATEGORIES = ("code", "prose", "agentic", "chat")  # configs.schema.EvalConfig.categories: the same four
 
 
 class TraceError(ValueError):

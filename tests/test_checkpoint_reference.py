@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 import dflash.model as reference
 from configs.schema import DrafterConfig
 from drafters.blocks import block_input_ids
-from drafters.checkpoint import build_target_layer_ids, choose_mask_token_id, load_drafter, save_drafter
+from drafters.checkpoint import load_drafter, save_drafter
+from drafters.draft_config import build_target_layer_ids, choose_mask_token_id
 from drafters.draft_config import build_draft_config
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter, DraftCache
@@ -82,7 +83,7 @@ def test_saved_checkpoint_loads_in_reference_and_logits_match(smol, tmp_path):
     features = torch.randn(1, seq_len, 5 * 576, generator=g)
     ids = torch.randint(0, 49152, (1, seq_len), generator=g)
     anchors = torch.tensor([[7, 30]])
-    ours_train = drafter.forward_train(features, ids, anchors, head.embed)
+    ours_train = drafter(features, ids, anchors, head.embed)
     for n, a in enumerate(anchors[0].tolist()):
         block = head.embed(block_input_ids(ids, torch.tensor([[a]]), 16, SMOL_MASK)[:, 0])
         theirs = ref(position_ids=torch.arange(a + 16)[None], noise_embedding=block, target_hidden=features[:, :a])

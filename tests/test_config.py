@@ -69,3 +69,13 @@ def test_auto_dtype_is_bf16_only_where_the_hardware_multiplies_it_natively():
     with pytest.raises(KeyError, match="'auto'"):
         torch_dtype("int8")
     assert load_config(None, []).target.dtype == "auto"
+
+
+def test_the_retrain_gate_takes_the_eval_sections_keys():
+    config = load_config(None, ["retrain.eval.max_prompts=3", "retrain.eval.dtype=bfloat16"])
+    assert (config.retrain.eval.max_prompts, config.retrain.eval.dtype) == (3, "bfloat16")
+    assert (config.retrain.eval.max_new_tokens, config.eval.max_new_tokens) == (64, 128)  # each keeps its defaults
+    with pytest.raises(ConfigError, match=r"unknown config key 'retrain\.eval_max_prompts'"):
+        load_config(None, ["retrain.eval_max_prompts=3"])
+    with pytest.raises(ConfigError, match=r"'retrain\.eval\.temperature': Input should be less than or equal to 0"):
+        load_config(None, ["retrain.eval.temperature=0.5"])

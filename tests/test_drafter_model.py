@@ -52,7 +52,7 @@ def test_training_forward_equals_separate_inference_forwards(parts):
     drafter, embed = parts
     feats, ids = inputs()
     anchors = torch.tensor([[0, 5, 23, 5, 11], [17, 1, 2, 20, 9]])  # any order, duplicates, first and last
-    out = drafter.forward_train(feats, ids, anchors, embed)
+    out = drafter(feats, ids, anchors, embed)
     assert out.shape == (2, 5, B, H)
     for b in range(2):
         for n, a in enumerate(anchors[b].tolist()):
@@ -66,16 +66,16 @@ def test_block_sees_context_strictly_before_its_anchor(parts):
     feats, ids = inputs(bsz=1)
     a, later = 10, 20  # the later anchor keeps positions >= a inside the computed context
     anchors = torch.tensor([[a, later]])
-    base = drafter.forward_train(feats, ids, anchors, embed)
+    base = drafter(feats, ids, anchors, embed)
     for pos in (a, a + 1, 15):
         changed = feats.clone()
         changed[0, pos] += 5.0
-        out = drafter.forward_train(changed, ids, anchors, embed)
+        out = drafter(changed, ids, anchors, embed)
         torch.testing.assert_close(out[0, 0], base[0, 0], atol=1e-6, rtol=0)  # invisible to block a
         assert (out[0, 1] - base[0, 1]).abs().max() > 1e-3  # visible to the later block
     changed = feats.clone()
     changed[0, a - 1] += 5.0
-    out = drafter.forward_train(changed, ids, anchors, embed)
+    out = drafter(changed, ids, anchors, embed)
     assert (out[0, 0] - base[0, 0]).abs().max() > 1e-3, "block a must see the feature at a - 1"
 
 
@@ -84,10 +84,10 @@ def test_blocks_are_independent_and_bidirectional_inside(parts):
     drafter, embed = parts
     feats, ids = inputs(bsz=1)
     anchors = torch.tensor([[6, 12, 18]])
-    base = drafter.forward_train(feats, ids, anchors, embed)
+    base = drafter(feats, ids, anchors, embed)
     changed = ids.clone()
     changed[0, 12] = (ids[0, 12] + 1) % (VOCAB - 1)  # the anchor token of block 1 only
-    out = drafter.forward_train(feats, changed, anchors, embed)
+    out = drafter(feats, changed, anchors, embed)
     torch.testing.assert_close(out[0, [0, 2]], base[0, [0, 2]], atol=1e-6, rtol=0)
     assert ((out[0, 1] - base[0, 1]).abs().amax(-1) > 1e-3).all(), "every slot of block 1 sees its anchor"
 
@@ -160,7 +160,7 @@ def test_training_forward_backward_and_bf16(parts):
     drafter, embed = parts
     feats, ids = inputs()
     anchors = torch.tensor([[2, 9], [4, 15]])
-    out = drafter.forward_train(feats, ids, anchors, embed)
+    out = drafter(feats, ids, anchors, embed)
     out.float().pow(2).mean().backward()
     grads = {n: p.grad for n, p in drafter.named_parameters()}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
@@ -171,7 +171,7 @@ def test_training_forward_backward_and_bf16(parts):
     bf16.to(torch.bfloat16)
     assert bf16._rotary.inv_freq.dtype == torch.float32  # RoPE frequencies are not rounded
     with torch.no_grad():
-        low = bf16.forward_train(feats.bfloat16(), ids, anchors, lambda x: embed(x).bfloat16())
-        high = drafter.forward_train(feats, ids, anchors, embed)
+        low = bf16(feats.bfloat16(), ids, anchors, lambda x: embed(x).bfloat16())
+        high = drafter(feats, ids, anchors, embed)
     assert low.dtype == torch.bfloat16
     assert (low.float() - high).abs().max() < 0.1 * high.abs().max()

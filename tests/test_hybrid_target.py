@@ -102,7 +102,7 @@ def test_training_runs_on_the_hybrid_target(target, tmp_path):
 
 
 def test_prompt_lookup_restores_the_recurrent_state(target):
-    from eval.prompt_lookup import lookup_generate, target_generate
+    from drafters.spec_decode import lookup_generate, target_generate
 
     rolled_back = 0
     for seed in range(3):

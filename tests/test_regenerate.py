@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data.regenerate import (
-    DATASET_DIR, QUARANTINE_FILE, SUMMARY_FILE, WORK_DIR, RegenerationInterrupted, features, load_regenerated,
+    DATASET_DIR, QUARANTINE_FILE, SUMMARY_FILE, WORK_DIR, RegenerationInterrupted, dataset_schema, load_regenerated,
     read_quarantine, regenerate,
 )
 
@@ -96,7 +96,7 @@ def _check_rows_against_unbatched(ds, target, tokenizer, dtype):
 
 def test_batched_fp32_equals_unbatched_greedy_and_quarantine(fp32_run, target, tokenizer):
     out, ds = fp32_run
-    assert ds.features == features()
+    assert ds.features == dataset_schema()
     assert ds["prompt_id"] == VALID_IDS  # input order, not generation (length-sorted) order
     assert ds["category"] == ["chat", "code", "prose", "chat"] and set(ds["source"]) == {"test"}
     _check_rows_against_unbatched(ds, target, tokenizer, torch.float32)

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from data.trajectories import load_trajectories, write_trajectories
-from retraining.cycle import StateDir, _cycle_heldout, discover, is_heldout, new_state, session_roots
+from retraining.state import StateDir, new_state
+from retraining.traffic import cycle_heldout_file, discover, is_heldout, session_roots
 
 REPO = Path(__file__).resolve().parents[1]
 RETRAIN = REPO / "scripts" / "retrain.py"
@@ -54,8 +55,8 @@ def _env() -> dict:
 def overrides(target: Path, state: Path, incoming: list[Path], *extra: str) -> list[str]:
     return [f"target.path={target}", f"retrain.state_dir={state}",
             "retrain.incoming=[" + ", ".join(str(p) for p in incoming) + "]",
-            "logging.wandb=false", "retrain.heldout_fraction=0.34", "retrain.eval_max_prompts=2",
-            "retrain.eval_requests_per_session=2", "retrain.eval_max_new_tokens=32",
+            "logging.wandb=false", "retrain.heldout_fraction=0.34", "retrain.eval.max_prompts=2",
+            "retrain.eval.agentic_per_session=2", "retrain.eval.max_new_tokens=32",
             "train.max_steps=10", "train.save_every=5", f"data.max_record_bytes={MAX_RECORD_BYTES}", *extra]
 
 
@@ -309,7 +310,7 @@ def test_reshipped_requests_are_quarantined_and_the_gate_window_does_not_grow(li
     # Nothing trained, nothing joined the gate's held-out window, nothing remembered twice.
     after = state_of(state_dir)
     sd = StateDir(state_dir)
-    window = lambda state: [f for f in (_cycle_heldout(sd, e) for e in state["cycles"]) if f]  # noqa: E731
+    window = lambda state: [f for f in (cycle_heldout_file(sd, e) for e in state["cycles"]) if f]  # noqa: E731
     assert window(after) == window(before) and len(window(after)) == 2
     assert after["requests"] == before["requests"] and after["promoted"] == before["promoted"]
     assert not (Path(rec["cycle_dir"]) / "train").exists()

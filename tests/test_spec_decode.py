@@ -1,4 +1,4 @@
-"""Speculative decoding: a drafter trained with forward_train accepts tokens at inference, and our
+"""Speculative decoding: a drafter trained with the training forward accepts tokens at inference, and our
 decoder agrees token for token and step for step with the reference `dflash_generate`."""
 
 import time
@@ -48,7 +48,7 @@ def trained():
     labels = greedy[0, positions.clamp(max=seq_len - 1)]
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for _ in range(60):
-        logits = head.logits(drafter.forward_train(features, greedy, anchors, head.embed)[:, :, 1:])
+        logits = head.logits(drafter(features, greedy, anchors, head.embed)[:, :, 1:])
         loss = torch.nn.functional.cross_entropy(logits[valid], labels[valid])
         opt.zero_grad()
         loss.backward()

@@ -42,7 +42,7 @@ from train.checkpointing import (TrainerState, check_config_drift, check_no_pick
 from train.features import TargetChoices, feature_source
 from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
                         most_frequent_tokens, slot_weights)
-from train.setup import build_draft_config, cache_root, resolve_target, training_dataset
+from train.setup import cache_root, resolve_draft_config, resolve_target, training_dataset
 
 
 EXIT_DIVERGED = 3
@@ -106,7 +106,7 @@ def train(config: PipelineConfig) -> Path:
         draft_config = drafter.config
         log(f"[train] init_from {tc.init_from} (weights only; its architecture replaces the drafter section)")
     else:
-        draft_config = build_draft_config(config, target_path, target_config)
+        draft_config = resolve_draft_config(config, target_path, target_config)
         drafter = DFlashDrafter(draft_config)
     dataset = training_dataset(config, target_path, accelerator, drafter.target_layer_ids)
     check_training_dataset(dataset, str(config.data.dataset or config.train.stage), config.data.max_seq_len)

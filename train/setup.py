@@ -9,7 +9,7 @@ from datasets import Dataset, load_from_disk
 
 from common.dtypes import torch_dtype
 from configs.schema import PipelineConfig
-from drafters.draft_config import build_draft_config as _build_draft_config
+from drafters.draft_config import build_draft_config
 from drafters.draft_config import choose_mask_token_id
 
 def cache_root(config: PipelineConfig) -> Path:
@@ -30,8 +30,9 @@ def resolve_target(config: PipelineConfig, log=print) -> Path:
     return path
 
 
-def build_draft_config(config: PipelineConfig, target_path: Path, target_config):
-    """Drafter config for this target; refuses a target that does not fit (both values named)."""
+def resolve_draft_config(config: PipelineConfig, target_path: Path, target_config):
+    """The drafter section built for this target, the mask token chosen from its tokenizer when unset; refuses a
+    target that does not fit (both values named)."""
     mask_token_id = config.drafter.mask_token_id
     if mask_token_id is None:
         from drafters.target_loading import TargetLoadError, load_target_tokenizer
@@ -43,7 +44,7 @@ def build_draft_config(config: PipelineConfig, target_path: Path, target_config)
         except (OSError, ValueError) as err:
             raise ValueError(f"drafter.mask_token_id is not set and the target at {target_path} has no tokenizer to choose one from ({err})") from None
         mask_token_id = choose_mask_token_id(tokenizer, target_config.vocab_size)
-    return _build_draft_config(config.drafter, target_config, mask_token_id)
+    return build_draft_config(config.drafter, target_config, mask_token_id)
 
 
 def load_target_model(config: PipelineConfig, target_path: Path, device: torch.device):

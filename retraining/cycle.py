@@ -699,6 +699,8 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
                 "metrics": read_trainer_state(last).metrics, "init_from": str(current_drafter)}
         write_json_atomic(done_marker, done)
     candidate = Path(done["drafter"])
+    if (cdir / "train" / "feature_capture.json").exists():  # offline features: what the target ran for this cycle
+        record["features"] = json.loads((cdir / "train" / "feature_capture.json").read_text())
     record["train"] = {"init_from": done["init_from"], "steps": done["step"], "final_metrics": done["metrics"],
                        "output_dir": str(cdir / "train")}
     phase["train"] = time.time() - t0

@@ -14,6 +14,14 @@ windowed training paths. Prints ONE JSON line on stdout.
 
     python bench/bench_prefix_dedup.py            # defaults (~20 s here)
     python bench/bench_prefix_dedup.py --sessions 8 --max-seq-len 3072
+
+``--through-training`` instead runs stage-2 training itself (``train.dflash.train``, one step,
+``features.mode: offline``) on the simulated logs with a tiny random target of Kimi's vocabulary, and
+reports what the target computed to build the feature cache (counted at the target's forward) against
+the unique tokens of the training rows, the unique tokens of the logs, the rows' tokens (what a
+per-row capture computes) and the logged tokens. Prints ONE JSON line.
+
+    python bench/bench_prefix_dedup.py --through-training --sessions 6 --max-seq-len 2048
 """
 
 from __future__ import annotations
@@ -104,6 +112,58 @@ def simulate_agentic_traffic(
     return records
 
 
+def through_training(records: list[TrajectoryRecord], work: Path, max_seq_len: int, vocab: int) -> dict:
+    """Stage-2 training on the logs, one step; the feature cache's capture figures."""
+    import torch
+
+    from configs.schema import load_config
+    from drafters.checkpoint import save_drafter
+    from drafters.model import DFlashDrafter
+    from drafters.target_loading import load_target_config
+    from drafters.testbed import tiny_llama_target
+    from train.dflash import train
+    from train.setup import build_draft_config
+
+    log = work / "logs" / "traffic.jsonl.gz"
+    write_trajectories(records, log, compresslevel=1)
+    tiny_llama_target(vocab_size=vocab).save_pretrained(work / "target")
+    overrides = [f"output_dir={work / 'train'}", f"target.path={work / 'target'}", f"data.trajectories=[{log}]",
+                 f"data.max_seq_len={max_seq_len}", f"cache_dir={work / 'cache'}", "drafter.mask_token_id=3",
+                 "drafter.num_layers=1", "drafter.num_target_features=3", "train.max_steps=1", "train.batch_size=1",
+                 "train.anchors_per_seq=4", "train.anchor_scope=loss_mask", "train.loss=kl", "train.head_vocab=null",
+                 f"train.cpu_threads={torch.get_num_threads()}",
+                 "logging.wandb=false"]
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "testbed-finetune.yaml", overrides)
+    stage1 = DFlashDrafter(build_draft_config(config, work / "target", load_target_config(work / "target")))
+    save_drafter(stage1, work / "stage1", dtype=torch.bfloat16)  # an untrained stage-1 drafter to fine-tune
+    config.train.init_from = str(work / "stage1")
+    t0 = time.perf_counter()
+    train(config)
+    seconds = time.perf_counter() - t0
+    capture = json.loads((work / "train" / "feature_capture.json").read_text())
+    tree = json.loads((work / "train" / "trajectory_summary.json").read_text())["tree"]
+    computed = capture["target_tokens"]
+    return {
+        "bench": "prefix_dedup_through_training",
+        "requests": tree["requests"],
+        "max_seq_len": max_seq_len,
+        "logged_tokens": tree["logged_tokens"],
+        "unique_tokens_logs": tree["unique_tokens"],
+        "training_rows": capture["rows"],
+        "tree_edges": capture["segments"],
+        "row_tokens": capture["row_tokens"],
+        "unique_tokens_rows": capture["cached_tokens"],
+        "target_tokens_computed": computed,
+        "computed_equals_unique_rows": computed == capture["cached_tokens"],
+        "computed_over_unique_logs": round(computed / tree["unique_tokens"], 4),
+        "row_tokens_over_computed": round(capture["row_tokens"] / computed, 2),
+        "logged_over_computed": round(tree["logged_tokens"] / computed, 2),
+        "capture_tokens_per_s": round(capture["tokens_per_s"]),
+        "train_s": round(seconds, 1),
+        "cpu_count": os.cpu_count(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=24)
@@ -113,6 +173,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=163_840)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where to write the logs (default: a temp dir, removed)")
+    ap.add_argument("--through-training", action="store_true", help="run stage-2 training on the logs (see above)")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -124,6 +185,12 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory() if args.workdir is None else None
     work = Path(args.workdir or tmp.name)
     work.mkdir(parents=True, exist_ok=True)
+    if args.through_training:
+        result = through_training(records, work, args.max_seq_len, args.vocab)
+        if tmp is not None:
+            tmp.cleanup()
+        print(json.dumps(result))
+        return
     gz, pq_path = work / "traffic.jsonl.gz", work / "traffic.parquet"
     t0 = time.perf_counter()
     write_trajectories(records, gz, compresslevel=1)

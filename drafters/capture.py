@@ -66,6 +66,7 @@ class HFCapture(FeatureCapture):
         # them), or None. capture() then runs the target only on the rows it does not know.
         self.known_features = None
         self.reused_tokens = self.computed_tokens = 0
+        self.forwarded_tokens = 0  # positions run through the target (padding included): what capture cost
         hooked = {i for i in self.layer_ids if i < self.num_layers - 1}
         self._handles = [self.decoder.layers[i].register_forward_hook(self._layer_hook(i)) for i in sorted(hooked)]
         self._handles.append(self.decoder.norm.register_forward_hook(self._norm_hook))
@@ -130,6 +131,7 @@ class HFCapture(FeatureCapture):
         stop_early = not with_final and past_key_values is None and last not in self.layer_ids
         self._stop_after = max(self.layer_ids) if stop_early else None
         self._store, self._recording = {}, True
+        self.forwarded_tokens += int(input_ids.numel())
         try:
             self.decoder(
                 input_ids=input_ids.to(self.decoder.get_input_embeddings().weight.device),

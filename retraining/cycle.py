@@ -306,6 +306,8 @@ def fine_tune(cycle: Cycle, dataset_dir: Path) -> Path:
         done = {"drafter": str(drafter_dir), "step": read_trainer_state(last).step,
                 "metrics": read_trainer_state(last).metrics, "init_from": str(cycle.current_drafter)}
         write_json_atomic(done_marker, done)
+    if (cdir / "train" / "feature_capture.json").exists():  # offline features: what the target ran for this cycle
+        cycle.record["features"] = json.loads((cdir / "train" / "feature_capture.json").read_text())
     cycle.record["train"] = {"init_from": done["init_from"], "steps": done["step"], "final_metrics": done["metrics"],
                              "output_dir": str(cdir / "train")}
     cycle.phase["train"] = time.time() - t0

@@ -13,7 +13,7 @@ SCRIPT_MAX_LINES = 12
 
 
 def _modules(packages) -> list[Path]:
-    return sorted(p for pkg in packages for p in (REPO / pkg).glob("*.py"))
+    return sorted(p for pkg in packages for p in (REPO / pkg).rglob("*.py"))
 
 
 def _imports(path: Path) -> list[tuple[str, list[str], int]]:
@@ -39,7 +39,7 @@ def test_every_project_package_has_a_layer():
 def test_no_import_runs_upward():
     upward = []
     for path in _modules(LAYERS):
-        own = path.parent.name
+        own = path.relative_to(REPO).parts[0]
         for module, _, line in _imports(path):
             top = module.split(".")[0]
             if top in RANK and top != own and RANK[top] >= RANK[own]:

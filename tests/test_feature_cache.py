@@ -5,7 +5,6 @@ Real tiny Llama target (fp32, random weights, 8 layers, hidden 64), no mocks.
 
 import json
 import pickle
-import shutil
 
 import datasets
 import numpy as np
@@ -21,7 +20,9 @@ from data.feature_cache import (
     feature_cache_kwargs,
     iter_tree_features,
     quantize_fp8,
+    row_prefix_tree,
     write_feature_cache,
+    write_row_tree_feature_cache,
     write_tree_feature_cache,
 )
 from data.prefix_tree import PrefixTree
@@ -150,33 +151,41 @@ def test_interrupted_capture_resumes_to_the_same_cache(capture, rows, tmp_path):
     assert full.complete and full.shards_total >= 5
 
     part = write_feature_cache(ds, capture, tmp_path / "part", stop_after_shards=2, **kw)
-    assert not part.complete and part.shards_total == 2 and part.shards_written == 2
+    assert not part.complete and part.shards_done == 2 and part.shards_written == 2
     with pytest.raises(CacheMismatchError, match="incomplete"):
         FeatureCacheReader(tmp_path / "part")
-    # What a crash can leave behind: a temp file mid-write and a shard renamed but not yet indexed.
+    # What a crash can leave behind: a temp file mid-write. A shard file that is not this cache's (here
+    # garbage) does not count as done and is captured again.
     (tmp_path / "part" / ".shard-00002.safetensors.999.tmp").write_bytes(b"partial")
-    shutil.copy(tmp_path / "full" / "shard-00002.safetensors", tmp_path / "part" / "shard-00002.safetensors")
-    (tmp_path / "part" / "shard-00002.safetensors").write_bytes(b"garbage")
+    (tmp_path / "part" / "shard-00003.safetensors").write_bytes(b"garbage")
     part = write_feature_cache(ds, capture, tmp_path / "part", stop_after_shards=1, **kw)
-    assert part.shards_total == 3 and not part.complete
+    assert part.shards_done == 3 and not part.complete
     rest = write_feature_cache(ds, capture, tmp_path / "part", **kw)
     assert rest.complete and rest.shards_written == full.shards_total - 3
     again = write_feature_cache(ds, capture, tmp_path / "part", **kw)  # complete: nothing to do
     assert again.shards_written == 0 and again.tokens_captured == 0
 
+    # Two ranks fill one folder with no communication, each its own block of the plan; whichever
+    # finishes last marks it complete.
+    late = write_feature_cache(ds, capture, tmp_path / "ranks", rank=1, world_size=2, **kw)
+    assert not late.complete and 0 < late.tokens_captured < full.tokens_captured
+    first = write_feature_cache(ds, capture, tmp_path / "ranks", rank=0, world_size=2, **kw)
+    assert first.complete and first.tokens_captured + late.tokens_captured == full.tokens_captured
+
     idx_full = json.loads((tmp_path / "full" / "index.json").read_text())
-    idx_part = json.loads((tmp_path / "part" / "index.json").read_text())
-    assert idx_part == idx_full
-    assert sorted(p.name for p in (tmp_path / "part").iterdir()) == sorted(p.name for p in (tmp_path / "full").iterdir())
-    for shard in idx_full["shards"]:
-        a, b = load_file(tmp_path / "full" / shard["file"]), load_file(tmp_path / "part" / shard["file"])
-        assert a.keys() == b.keys()
-        for k in a:
-            assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (shard["file"], k)
+    shard_files = lambda folder: sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))  # noqa: E731
+    for other in ("part", "ranks"):
+        assert json.loads((tmp_path / other / "index.json").read_text()) == idx_full
+        assert shard_files(tmp_path / other) == shard_files(tmp_path / "full")
+        for shard in idx_full["shards"]:
+            a, b = load_file(tmp_path / "full" / shard["file"]), load_file(tmp_path / other / shard["file"])
+            assert a.keys() == b.keys()
+            for k in a:
+                assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (shard["file"], k)
     # Every row exactly once, in order.
-    covered = [r for s in idx_part["shards"] for r in range(s["first"], s["first"] + len(s["lengths"]))]
+    covered = [r for s in idx_full["shards"] for r in range(s["first"], s["first"] + len(s["lengths"]))]
     assert covered == list(range(len(rows)))
-    assert [n for s in idx_part["shards"] for n in s["lengths"]] == [len(r) for r in rows]
+    assert [n for s in idx_full["shards"] for n in s["lengths"]] == [len(r) for r in rows]
 
 
 def simulated_sessions(seed=0, sessions=3, turns=4, vocab=1000):
@@ -253,6 +262,53 @@ def test_tree_capture_equals_per_path_forward_and_computes_each_token_once(captu
     bad = simulated_sessions(seed=1).to_dataset(max_seq_len=16, overlap=4)
     with pytest.raises(CacheMismatchError, match="does not match"):
         FeatureCacheReader(tmp_path / "t", bad)
+
+
+def test_row_tree_serves_every_row_as_its_own_capture_and_computes_each_prefix_once(capture, tmp_path):
+    """A training dataset's rows (turns of sessions: shared prefixes) through the tree of rows."""
+    rows = [p.input_ids.tolist() for p in simulated_sessions(seed=5).iter_paths(loss_once=False, drop_no_loss=False)]
+    rows += [rows[0][:20], list(rows[1]), []]  # a row that is a prefix of another, a duplicate, an empty row
+    ds, max_len = make_dataset(rows), 40  # longer rows are cut: nothing past max_seq_len is computed or stored
+    tree, where = row_prefix_tree(ds, max_len)
+    bounded = [r[:max_len] for r in rows]
+    assert any(len(r) > max_len for r in rows) and tree.unique_tokens < sum(map(len, bounded))
+    computed = []
+    counter = capture.decoder.embed_tokens.register_forward_hook(lambda m, a, o: computed.append(a[0].numel()))
+    try:
+        raw = {e.edge_id: (e, s, f) for e, s, f in iter_tree_features(tree, capture, chunk_tokens=16)}
+        assert sum(computed) == tree.unique_tokens
+        computed.clear()
+        res = write_row_tree_feature_cache(ds, capture, tmp_path / "one", max_seq_len=max_len, dtype="bf16",
+                                           shard_tokens=40, progress=False)
+        assert sum(computed) == res.tokens_captured == res.cached_tokens == tree.unique_tokens
+        assert res.row_tokens == sum(map(len, bounded)) and res.complete
+        computed.clear()
+        kw = dict(max_seq_len=max_len, dtype="bf16", shard_tokens=40, progress=False)
+        late = write_row_tree_feature_cache(ds, capture, tmp_path / "ranks", rank=1, world_size=2, **kw)
+        first = write_row_tree_feature_cache(ds, capture, tmp_path / "ranks", rank=0, world_size=2, **kw)
+        assert not late.complete and first.complete
+        assert late.tokens_captured + first.tokens_captured == tree.unique_tokens
+        assert sum(computed) == tree.unique_tokens + late.tokens_context + first.tokens_context  # context: <= one path
+    finally:
+        counter.remove()
+    one = FeatureCacheReader(tmp_path / "one", ds, dtype=torch.float32)
+    ranks = FeatureCacheReader(tmp_path / "ranks", ds, dtype=torch.float32)
+    assert one.num_rows == len(rows)
+    for r, ids in enumerate(bounded):
+        sel, fin = one.get_row(r)
+        assert sel.shape == (len(ids), len(LAYERS) * 64) and one.row_length(r) == len(ids)
+        if not ids:
+            continue
+        plain = capture.capture(torch.tensor([ids]))  # the row alone, one full forward
+        chain = one.path_edges(where["edge"][r])
+        raw_sel = torch.cat([raw[e][1] for e in chain])[: len(ids)]
+        raw_fin = torch.cat([raw[e][2] for e in chain])[: len(ids)]
+        torch.testing.assert_close(raw_sel, plain.selected[0], **FP32_TOL)  # fp32, before storage
+        torch.testing.assert_close(raw_fin, plain.final_hidden[0], **FP32_TOL)
+        assert torch.equal(sel, raw_sel.to(torch.bfloat16).float()) and torch.equal(fin, raw_fin.to(torch.bfloat16).float())
+        torch.testing.assert_close(ranks.get_row(r)[0], sel, atol=1e-5, rtol=2**-8)  # one bf16 rounding step
+    with pytest.raises(CacheMismatchError, match="different dataset"):
+        FeatureCacheReader(tmp_path / "one", make_dataset(rows[1:] + rows[:1]))
 
 
 def test_sliding_window_target_falls_back_to_cache_copies(tmp_path):

@@ -2,6 +2,7 @@
 code): capture equals HF's hidden states, training runs on it, and speculative decoding returns its recurrent
 state to before each rejected block, so the output equals the target's own greedy output."""
 
+import json
 import os
 import subprocess
 import sys
@@ -85,7 +86,8 @@ def test_training_runs_on_the_hybrid_target(target, tmp_path):
     folder = tmp_path / "qwen3-next-tiny"
     target.save_pretrained(folder)
     g = torch.Generator().manual_seed(2)
-    rows = [{"input_ids": torch.randint(3, VOCAB, (40,), generator=g).tolist(), "loss_mask": [0] * 8 + [1] * 32}
+    prefix = torch.randint(3, VOCAB, (16,), generator=g).tolist()  # shared: the offline cache's tree runs it once
+    rows = [{"input_ids": prefix + torch.randint(3, VOCAB, (24,), generator=g).tolist(), "loss_mask": [0] * 8 + [1] * 32}
             for _ in range(8)]
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -99,6 +101,10 @@ def test_training_runs_on_the_hybrid_target(target, tmp_path):
         ], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / mode / "checkpoints" / "step-000002" / "drafter" / "model.safetensors").exists()
+    # Offline: the tree of rows continued the recurrent state from snapshots (a linear-attention cache cannot be
+    # cropped), so the shared prefix ran once.
+    capture = json.loads((tmp_path / "offline" / "feature_capture.json").read_text())
+    assert capture["layout"] == "tree" and capture["target_tokens"] == capture["cached_tokens"] == 16 + 8 * 24
 
 
 def test_prompt_lookup_restores_the_recurrent_state(target):

@@ -200,6 +200,10 @@ def test_two_cycles_promote_better_drafters(lifecycle, target, traffic):
         assert rec["eval"]["prompts"] == 2 and rec["eval"]["mismatched_current"] == 0
         assert rec["eval"]["mismatched_candidate"] == 0 and rec["eval"]["mismatches"] == []
         assert rec["eval"]["heldout_files"][0] == rec["heldout_file"]
+        # The cycle's training read the prefix-tree cache: the target ran once per unique token of its rows.
+        features = rec["features"]
+        assert features["layout"] == "tree" and features["complete"]
+        assert features["target_tokens"] == features["cached_tokens"] <= rec["tokens"]["unique_train"] < features["row_tokens"]
     # Cycle 2's traffic drifted (prefilled turns): the cycle-1 drafter no longer predicts the target.
     assert c2["tau_current"] < 1.5
     items = [json.loads(line) for line in Path(c1["quarantine_file"]).read_text().splitlines()]

@@ -105,12 +105,18 @@ def test_sigkill_at_random_step_then_resume_matches_uninterrupted(workspace, ref
 
 
 @pytest.mark.parametrize("accelerate_config", ["ddp.yaml", "deepspeed_zero2.yaml"])
-def test_distributed_two_processes_save_and_resume(workspace, accelerate_config):
+def test_distributed_two_processes_save_and_resume(workspace, reference_run, accelerate_config):
     # The DeepSpeed config runs the real ZeRO-2 engine (over gloo on a CPU), which writes its state with pickle.
     deepspeed = accelerate_config.startswith("deepspeed")
     out = workspace / accelerate_config.removesuffix(".yaml")
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / "configs" / "accelerate" / accelerate_config),
-           str(TRAIN), *_args(workspace, out, "train.max_steps=2", "train.save_every=1")]
+    launch = [str(ACCELERATE), "launch", "--config_file", str(REPO / "configs" / "accelerate" / accelerate_config), str(TRAIN)]
+    if not deepspeed:
+        # Several processes only read the offline feature cache (the single-process reference run captured this
+        # one): without it they stop at once, naming the capture job, instead of waiting in a barrier.
+        refused = _run([*launch, *_args(workspace, out, f"cache_dir={workspace / 'no-cache'}")], timeout=600)
+        assert refused.returncode != 0 and "is not complete" in refused.stderr, refused.stderr[-3000:]
+        assert "-m train.capture_job" in refused.stderr and not list_checkpoints(out)
+    cmd = [*launch, *_args(workspace, out, "train.max_steps=2", "train.save_every=1")]
     result = _run(cmd, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     checkpoint = list_checkpoints(out)[-1]
@@ -208,6 +214,18 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
     assert stage2.config.num_hidden_layers == 1 and stage2.target_layer_ids == stage1.target_layer_ids
     assert stage2.mask_token_id == 3
     assert (out / "trajectory_summary.json").exists()
+    # Stage 2 read its features from the prefix-tree cache: the target ran once per unique token of the
+    # training rows (the shared system prompt and each session's earlier turns once), not once per row.
+    from data.prefix_tree import PrefixTree
+
+    tree = PrefixTree()
+    for r in records:
+        tree.add(r["input_ids"], r["output_ids"])
+    stats = tree.stats()
+    capture = json.loads((out / "feature_capture.json").read_text())
+    assert capture["layout"] == "tree" and capture["complete"]
+    assert capture["target_tokens"] == capture["cached_tokens"] == stats.unique_tokens
+    assert capture["row_tokens"] == stats.path_tokens > 2 * stats.unique_tokens
 
 
 def test_reduced_head_with_target_labels_keeps_learning_curve_snapshots(workspace):

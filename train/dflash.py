@@ -261,8 +261,9 @@ def make_accelerator(config: PipelineConfig) -> Accelerator:
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(config.train.grad_accum)
     on_cpu = not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    # Rank 0 may regenerate the mixture or capture the feature cache while the others wait in a
-    # barrier; the default 30-minute collective timeout would kill such a first run.
+    # Rank 0 may regenerate the mixture while the others wait in a barrier; the default 30-minute
+    # collective timeout would kill such a first run. (The feature cache is never captured behind a
+    # barrier: a multi-process run reads the one train/capture_job.py made.)
     group = {"timeout": timedelta(hours=12)}
     if on_cpu and deepspeed:
         group["backend"] = "gloo"  # accelerate starts DeepSpeed only off the CPU unless given a CPU backend

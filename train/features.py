@@ -3,20 +3,26 @@
 online: the target runs in the training process on every batch (no disk; the target's cost every epoch).
 offline: the target runs once over the dataset into the on-disk cache (bf16 or FP8), then is freed;
 training reads the cache. Both give the same `Captured` tensors for a batch.
+
+The offline cache of a single-process run is captured by the run itself when it is missing. A
+multi-process run only reads it: `python -m train.capture_job` (launched like training) captures it on
+every rank first, so no rank waits in a barrier for a capture.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 
+from common.atomic_files import write_json_atomic
 from configs.schema import PipelineConfig
+from data.feature_cache import CacheMismatchError
 from drafters.capture import Captured, make_capture
 from train.batches import Batch
+from train.setup import load_target_model
 
 
 class OnlineFeatures:
@@ -34,8 +40,12 @@ class OfflineFeatures:
 
     def __call__(self, batch: Batch) -> Captured:
         width = batch.input_ids.shape[1]
-        rows = [self.reader.get(i, dtype=torch.bfloat16, end=min(self.max_seq_len, self.reader.locate(i)[2]))
-                for i in batch.indices]
+        lengths = batch.attention_mask.sum(1).tolist()
+        rows = [self.reader.get_row(i, dtype=torch.bfloat16) for i in batch.indices]
+        for i, n, (sel, _) in zip(batch.indices, lengths, rows):
+            if len(sel) != n:
+                raise CacheMismatchError(f"feature cache {self.reader.out_dir}: row {i} has {len(sel)} cached tokens, "
+                                         f"the batch {n} (data.max_seq_len={self.max_seq_len})")
         selected = torch.zeros(len(rows), width, rows[0][0].shape[-1], dtype=torch.bfloat16)
         final = torch.zeros(len(rows), width, rows[0][1].shape[-1], dtype=torch.bfloat16) if self.with_final else None
         for b, (sel, fin) in enumerate(rows):
@@ -45,14 +55,86 @@ class OfflineFeatures:
         return Captured(selected.to(self.device), final.to(self.device) if final is not None else None)
 
 
-def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: Path, layer_ids: list[int], dtype: str) -> Path:
-    key = hashlib.sha256(f"{Path(target_path).resolve()}|{layer_ids}|{dtype}|{dataset_fingerprint}".encode()).hexdigest()[:12]
+CAPTURE_COMMAND = "accelerate launch -m train.capture_job --config CONFIG [the same overrides]"
+
+
+class FeatureCacheMissing(ValueError):
+    """A multi-process run found no finished feature cache: the capture job makes it first."""
+
+
+def cache_layout(config: PipelineConfig) -> str:
+    """How the offline cache is captured: "tree" (the training rows merged into a prefix tree: every unique
+    prefix token once, rows bounded by data.max_seq_len) for the in-process target, except on the
+    regenerated stage-1 mixture, whose features regeneration kept per row ("rows"); "rows" for the engine,
+    which has no KV-cache continuation."""
+    builds_mixture = config.data.dataset is None and config.train.stage == "general"
+    return "rows" if config.target.backend != "hf" or builds_mixture else "tree"
+
+
+def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: Path, layer_ids: list[int], dtype: str,
+                      layout: str, max_seq_len: int) -> Path:
+    key = hashlib.sha256(f"{Path(target_path).resolve()}|{layer_ids}|{dtype}|{dataset_fingerprint}|{layout}|{max_seq_len}"
+                         .encode()).hexdigest()[:12]
     return Path(cache_root) / "features" / f"cache-{key}"
 
 
-def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], accelerator, cache_root: Path):
-    from train.setup import load_target_model
+def config_cache_dir(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], cache_root: Path) -> Path:
+    """The cache folder of this config and dataset (training and the capture job agree on it)."""
+    from data.feature_cache import dataset_fingerprint
 
+    return feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_path, layer_ids, config.features.cache_dtype,
+                             cache_layout(config), config.data.max_seq_len)
+
+
+def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], cache_root: Path,
+                          device, *, rank: int = 0, world_size: int = 1, log=print) -> dict:
+    """Capture (or resume) this rank's share of the offline cache; returns what it cost, as a dict.
+
+    ``target_tokens``: positions the target ran (features stored + KV context rebuilt + padding).
+    ``cached_tokens``: what the finished cache holds (a tree: the rows' unique tokens); ``row_tokens``:
+    what capturing every row on its own would have run.
+    """
+    from data.feature_cache import cache_complete, feature_cache_kwargs, write_feature_cache, write_row_tree_feature_cache
+
+    layout = cache_layout(config)
+    out_dir = config_cache_dir(config, dataset, target_path, layer_ids, cache_root)
+    if cache_complete(out_dir):
+        return {"cache": str(out_dir), "layout": layout, "complete": True, "target_tokens": 0}
+    if config.target.backend == "vllm":  # the engine captures: the target's body is never loaded here
+        from data.engine_capture import EngineCapture
+
+        target, capture = None, EngineCapture(target_path, layer_ids, with_final=True)
+    else:
+        target = load_target_model(config, target_path, device)
+        capture = make_capture(config.target.backend, target, layer_ids)
+    known = _regenerated(config, target_path, layer_ids, cache_root) if layout == "rows" else None
+    if known is not None and hasattr(capture, "known_features"):
+        capture.known_features = known.lookup
+    else:
+        known = None
+    where = f" rank {rank}/{world_size}" if world_size > 1 else ""
+    log(f"[features]{where} offline cache ({config.features.cache_dtype}, {layout}) -> {out_dir}")
+    common = dict(max_seq_len=config.data.max_seq_len, rank=rank, world_size=world_size,
+                  **feature_cache_kwargs(config.features))
+    if layout == "tree":
+        result = write_row_tree_feature_cache(dataset, capture, out_dir, **common)
+    else:
+        result = write_feature_cache(dataset, capture, out_dir, pad_token_id=0, **common)
+    report = {"cache": str(out_dir), "layout": layout, "rank": rank, "world_size": world_size, **result.to_dict()}
+    if known is not None:
+        report.update(reused_tokens=capture.reused_tokens)
+    forwarded = getattr(capture, "forwarded_tokens", None)
+    report["target_tokens"] = forwarded if forwarded is not None else (
+        result.tokens_captured + result.tokens_context + result.padded_tokens)
+    log(f"[features]{where} target ran on {report['target_tokens']} tokens; the cache holds {result.cached_tokens} "
+        f"(rows: {result.row_tokens}){'' if result.complete else '; other ranks are still capturing'}")
+    capture.remove()  # the hooks reference the model: drop them so the target can be freed
+    del capture, target
+    gc.collect()
+    return report
+
+
+def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], accelerator, cache_root: Path):
     with_final = config.train.loss in ("kl", "ce_target") or config.train.anchor_scope == "sequence"
     if config.features.mode == "online":
         if config.target.backend == "vllm":
@@ -61,36 +143,18 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
         capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)
         return OnlineFeatures(capture, accelerator.device, with_final)
 
-    from data.feature_cache import FeatureCacheReader, dataset_fingerprint, write_feature_cache
+    from data.feature_cache import FeatureCacheReader, cache_complete
 
-    out_dir = feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_path, layer_ids, config.features.cache_dtype)
-    index = out_dir / "index.json"
-    complete = index.exists() and json.loads(index.read_text()).get("complete", False)
-    # The other ranks wait in a barrier meanwhile (train/dflash.py raises its timeout to 12 h); on a GPU
-    # fleet, capturing the cache in a separate job first uses every GPU instead of one.
-    with accelerator.main_process_first():
-        if accelerator.is_main_process and not complete:
-            if config.target.backend == "vllm":  # the engine captures: the target's body is never loaded here
-                from data.engine_capture import EngineCapture
-
-                target, capture = None, EngineCapture(target_path, layer_ids, with_final=True)
-            else:
-                target = load_target_model(config, target_path, accelerator.device)
-                capture = make_capture(config.target.backend, target, layer_ids)
-            known = _regenerated(config, target_path, layer_ids, cache_root)
-            if known is not None and hasattr(capture, "known_features"):
-                capture.known_features = known.lookup
-            else:
-                known = None
-            accelerator.print(f"[features] offline cache ({config.features.cache_dtype}) -> {out_dir}")
-            write_feature_cache(dataset, capture, out_dir, dtype=config.features.cache_dtype,
-                                shard_tokens=config.features.shard_tokens, pad_token_id=0)
-            if known is not None:
-                accelerator.print(f"[features] {capture.reused_tokens} tokens' features kept from regeneration, "
-                                  f"{capture.computed_tokens} computed by the target")
-            capture.remove()  # the hooks reference the model: drop them so the target can be freed
-            del capture, target
-            gc.collect()
+    out_dir = config_cache_dir(config, dataset, target_path, layer_ids, cache_root)
+    if not cache_complete(out_dir):
+        if accelerator.num_processes > 1:
+            # Capturing here would leave every other rank waiting in a barrier for the whole capture.
+            raise FeatureCacheMissing(
+                f"the offline feature cache {out_dir} is not complete; capture it first on every GPU with the same "
+                f"config and overrides: {CAPTURE_COMMAND} (resumable), then start training again")
+        report = capture_feature_cache(config, dataset, target_path, layer_ids, cache_root, accelerator.device,
+                                       log=accelerator.print)
+        write_json_atomic(Path(config.output_dir) / "feature_capture.json", report)
     reader = FeatureCacheReader(out_dir, dataset)
     return OfflineFeatures(reader, accelerator.device, config.data.max_seq_len, with_final)
 

@@ -47,6 +47,17 @@ def resolve_draft_config(config: PipelineConfig, target_path: Path, target_confi
     return build_draft_config(config.drafter, target_config, mask_token_id)
 
 
+def drafter_layer_ids(config: PipelineConfig, target_path: Path, target_config) -> list[int]:
+    """The target layers the run's drafter reads: the stage-1 drafter's (train.init_from) or the drafter section's."""
+    from drafters.model import dflash_settings
+
+    if config.train.init_from:
+        from drafters.checkpoint import find_drafter_folder, load_draft_config
+
+        return dflash_settings(load_draft_config(find_drafter_folder(config.train.init_from)))[0]
+    return dflash_settings(build_draft_config(config, target_path, target_config))[0]
+
+
 def load_target_model(config: PipelineConfig, target_path: Path, device: torch.device):
     from drafters.target_loading import load_target_model as load
 

@@ -163,6 +163,15 @@ def test_offline_feature_cache_trains_like_online(workspace, reference_run):
     assert offline["loss"] == pytest.approx(online["loss"], rel=0.02)
     for name, tensor in _final_weights(reference_run).items():
         assert torch.allclose(tensor.float(), _final_weights(out)[name].float(), atol=2e-2), name
+    # The target's greedy choices (ce_target labels) were kept beside the cache: a second run on it reads them
+    # instead of projecting every cached position again, and trains bit-identically.
+    assert (caches[0] / "target_choices.safetensors").exists()
+    again = _run([sys.executable, str(TRAIN), *_args(workspace, workspace / "offline-again", "features.mode=offline",
+                                                     f"cache_dir={workspace / 'cache'}")])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "greedy choices of every row read from" in again.stdout
+    for name, tensor in _final_weights(out).items():
+        assert torch.equal(tensor, _final_weights(workspace / "offline-again")[name]), name
 
 
 def test_loss_mask_anchors_with_weighted_slots_train_deterministically(workspace):

@@ -39,7 +39,7 @@ from common.atomic_files import write_json_atomic
 from common.dtypes import native_bf16
 from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
                                  load_checkpoint, save_checkpoint)
-from train.features import TargetChoices, feature_source
+from train.features import TargetChoices, choices_store, feature_source
 from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
                         most_frequent_tokens, slot_weights)
 from train.setup import cache_root, resolve_draft_config, resolve_target, training_dataset
@@ -164,7 +164,10 @@ def train(config: PipelineConfig) -> Path:
     keep_prob = slot_weights(draft_config.block_size, gamma) if tc.sample_slots else None
     pad_id = target_config.pad_token_id if isinstance(target_config.pad_token_id, int) else 0
     needs_choices = tc.anchor_scope == "sequence" or tc.loss == "ce_target"
-    choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk) if needs_choices else None
+    choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk, store=choices_store(features_of), num_rows=len(dataset),
+                               writes=accelerator.is_main_process) if needs_choices else None
+    if choices_of is not None and choices_of.loaded:
+        log(f"[train] the target's greedy choices of every row read from {choices_of.store}")
     head_vocab = training_head(head.lm_head.weight, tc.head_vocab, log, lambda: emitted_token_counts(
         dataset, features_of, choices_of, tc.batch_size, config.data.max_seq_len, pad_id, head.vocab_size))
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.atomic_files import write_json_atomic
+from common.atomic_files import write_bytes_atomic, write_json_atomic
 from configs.schema import PipelineConfig
 from data.feature_cache import CacheMismatchError
 from drafters.capture import Captured, make_capture
@@ -174,24 +174,64 @@ class TargetChoices:
     Computed from the batch's final hidden states the first time a row is seen and kept (an int32 per
     token): later epochs skip that vocabulary projection. Each row is computed alone, unpadded, so the
     result does not depend on which batch first saw it (a resumed run gets the same values).
+
+    store: a file beside an offline feature cache. Once every row is known they are written there (by the
+    process that `writes`), and a later run on the same cache and the same lm_head (its sha256 is in the
+    file) reads them instead of projecting every cached position again.
     """
 
-    def __init__(self, lm_head_weight: torch.Tensor, chunk_rows: int):
+    def __init__(self, lm_head_weight: torch.Tensor, chunk_rows: int, *, store: Path | None = None,
+                 num_rows: int | None = None, writes: bool = True):
         self.lm_head_weight, self.chunk_rows = lm_head_weight, chunk_rows
         self.rows: dict[int, torch.Tensor] = {}
+        self.store, self.num_rows, self.writes = store, num_rows, writes
+        # The projection's dtype too: bf16 and fp32 argmaxes differ at near-ties.
+        self.head_sha256 = hashlib.sha256(str(lm_head_weight.dtype).encode() + lm_head_weight.detach().float().cpu()
+                                          .numpy().tobytes()).hexdigest() if store else None
+        self.loaded = store is not None and self._load()
+
+    def _load(self) -> bool:
+        from safetensors import safe_open
+
+        if not self.store.exists():
+            return False
+        with safe_open(str(self.store), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("lm_head_sha256") != self.head_sha256 or int(meta.get("num_rows", -1)) != self.num_rows:
+                return False
+            tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets").tolist()
+        self.rows = {i: tokens[offsets[i]:offsets[i + 1]] for i in range(self.num_rows)}
+        return True
+
+    def _save(self) -> None:
+        from safetensors.torch import save
+
+        rows = [self.rows[i] for i in range(self.num_rows)]
+        offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+        write_bytes_atomic(self.store, save({"tokens": torch.cat(rows), "offsets": offsets},
+                                            metadata={"lm_head_sha256": self.head_sha256, "num_rows": str(self.num_rows)}))
 
     def __call__(self, batch: Batch, captured: Captured) -> torch.Tensor:
         """[Bsz, T] long (padding: -1)."""
         from drafters.objective import target_choices
 
         lengths = batch.attention_mask.sum(1).tolist()
+        computed = False
         for b, i in enumerate(batch.indices):
             if i not in self.rows:
                 n = int(lengths[b])
                 choices = target_choices(captured.final_hidden[b : b + 1, :n], self.lm_head_weight, self.chunk_rows)
                 self.rows[i] = choices[0].to(device="cpu", dtype=torch.int32)
+                computed = True
+        if computed and self.store is not None and self.writes and len(self.rows) == self.num_rows:
+            self._save()
         out = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
         for b, i in enumerate(batch.indices):
             row = self.rows[i]
             out[b, : len(row)] = row
         return out.to(captured.final_hidden.device)
+
+
+def choices_store(features_of) -> Path | None:
+    """Where the target's greedy choices of an offline cache's rows are kept (None: online features)."""
+    return Path(features_of.reader.out_dir) / "target_choices.safetensors" if isinstance(features_of, OfflineFeatures) else None

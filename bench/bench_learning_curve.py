@@ -127,7 +127,7 @@ def main(argv=None) -> None:
     from drafters.capture import HFCapture
     from drafters.checkpoint import load_drafter
     from drafters.frozen_target import FrozenTargetHead
-    from eval.acceptance import parse_drafter_arg
+    from eval.inputs import parse_drafter_arg
     from configs.paths import default_cache_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -55,7 +55,7 @@ def drafter_layer_ids(config: PipelineConfig, target_path: Path, target_config) 
         from drafters.checkpoint import find_drafter_folder, load_draft_config
 
         return dflash_settings(load_draft_config(find_drafter_folder(config.train.init_from)))[0]
-    return dflash_settings(build_draft_config(config, target_path, target_config))[0]
+    return dflash_settings(resolve_draft_config(config, target_path, target_config))[0]
 
 
 def load_target_model(config: PipelineConfig, target_path: Path, device: torch.device):

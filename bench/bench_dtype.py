@@ -13,19 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import torch
 
+from bench.bench_drafter import timed
 from common.dtypes import NATIVE_BF16_CPU_FLAGS, cpu_flags, native_bf16, torch_dtype
-
-
-def timed(fn, reps: int) -> float:
-    fn()  # warm-up
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def bench(dtype: torch.dtype, model_path, reps: int) -> dict:

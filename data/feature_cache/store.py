@@ -145,8 +145,8 @@ class ShardWriter:
     """One rank's writer: ``with ShardWriter(...) as w: for s in w.pending: ... w.write(s, parts)``.
 
     ``lengths``: tokens per segment (rows or edges), in order. The rank captures the shards of
-    :func:`rank_block` that are not on disk yet (``pending``), each written atomically; on leaving,
-    the index is marked complete if every shard of the plan (any rank's) is done.
+    :func:`rank_block` that are not on disk yet (``pending``), each written atomically; then
+    :meth:`finish` marks the index complete if every shard of the plan (any rank's) is done.
     """
 
     def __init__(self, out_dir: str | os.PathLike, header: dict, lengths, *, rank: int = 0, world_size: int = 1,
@@ -183,9 +183,10 @@ class ShardWriter:
         self.lock.__enter__()
         try:
             self.index = self.open_index()
-            for s in self.mine:
-                for p in self.out_dir.glob(f".{shard_name(s)}.*.tmp"):
-                    p.unlink()  # left by a killed writer of this shard
+            mine = {shard_name(s) for s in self.mine}
+            for p in self.out_dir.iterdir():  # temp files (".<shard>.<random>.tmp") a killed writer of our block left
+                if p.name.endswith(".tmp") and p.name[1:].rsplit(".", 2)[0] in mine:
+                    p.unlink()
             self.pending = [s for s in self.mine if not self.index["complete"] and not self.shard_done(s, repair=True)]
         except BaseException:
             self.lock.__exit__(None, None, None)

@@ -123,7 +123,7 @@ def test_batched_fp32_equals_unbatched_greedy_and_quarantine(fp32_run, target, t
 def test_bf16_batch_of_one_equals_unbatched_greedy(target, tokenizer, tmp_path):
     # In bf16, batched left-padded generation may legitimately differ from unbatched at near-ties, so
     # bf16 equality is checked with batch_size=1; fp32 batched equality is checked above.
-    ds = regenerate(PROMPTS, target, tmp_path, batch_size=1, max_new_tokens=NEW, max_prompt_tokens=MAX_PROMPT,
+    ds = regenerate(PROMPTS, target, tmp_path, batch_size=1, max_new_tokens=NEW, max_prompt_tokens=MAX_PROMPT, dtype="bfloat16",
                     progress=False)
     assert ds["prompt_id"] == VALID_IDS
     _check_rows_against_unbatched(ds, target, tokenizer, torch.bfloat16)

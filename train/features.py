@@ -185,9 +185,7 @@ class TargetChoices:
         self.lm_head_weight, self.chunk_rows = lm_head_weight, chunk_rows
         self.rows: dict[int, torch.Tensor] = {}
         self.store, self.num_rows, self.writes = store, num_rows, writes
-        # The projection's dtype too: bf16 and fp32 argmaxes differ at near-ties.
-        self.head_sha256 = hashlib.sha256(str(lm_head_weight.dtype).encode() + lm_head_weight.detach().float().cpu()
-                                          .numpy().tobytes()).hexdigest() if store else None
+        self.head_sha256 = _weight_sha256(lm_head_weight) if store else None
         self.loaded = store is not None and self._load()
 
     def _load(self) -> bool:
@@ -230,6 +228,15 @@ class TargetChoices:
             row = self.rows[i]
             out[b, : len(row)] = row
         return out.to(captured.final_hidden.device)
+
+
+def _weight_sha256(weight: torch.Tensor, rows: int = 4096) -> str:
+    """sha256 over a weight's dtype (bf16 and fp32 argmaxes differ at near-ties) and its raw bytes, a block of
+    rows at a time: a Kimi-size head (163,840 x 7,168) is never copied whole."""
+    digest = hashlib.sha256(str(weight.dtype).encode())
+    for block in weight.detach().split(rows):
+        digest.update(block.contiguous().cpu().view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def choices_store(features_of) -> Path | None:

@@ -1,11 +1,15 @@
 """The serving engine against our in-process paths on this CPU, side by side in one run (one JSON line):
 
     python -m bench.bench_engine [--prompts 16] [--max-new-tokens 64] [--parts serve,regenerate,capture]
+                                 [--drafter DIR] [--dtype auto]
 
 serve       vLLM serving the target alone vs the target + a DFlash drafter (eval/engine.py, batch 1,
-            greedy): tokens/s end to end and tau from the engine's counters. Two pairs: the testbed target
-            SmolLM2-135M with an untrained drafter (tau 1: the drafter's pure overhead), and the engine
-            testbed's tiny Llama with its trained drafter (eval/engine_testbed.py, tau ~7: the best case).
+            greedy): tokens/s end to end and tau from the engine's counters. The pairs: the testbed target
+            SmolLM2-135M with an untrained drafter (tau 1: the drafter's pure overhead), with a trained one
+            (--drafter: a drafter folder, checkpoint or output_dir), and the engine testbed's tiny Llama with
+            its trained drafter (eval/engine_testbed.py, tau ~7: the best case).
+--dtype     the SmolLM2 target's dtype in every part, for both sides ("auto": bf16 only where the hardware
+            multiplies it natively, common/dtypes.py).
 regenerate  data.regenerate.regenerate on the same chat prompts with backend hf (transformers generate,
             batch 16) and vllm: response tokens per second of generation (engine start-up reported apart).
 capture     write_feature_cache of the same rows (chat prompts + their regenerated answers) through
@@ -20,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,7 +67,12 @@ def part_serve(args, tmp: Path) -> dict:
                                                               AutoConfig.from_pretrained(smol), 16)), tmp / "untrained")
     traces = {"code": heldout_traces("code", load_tokenizer(smol), max_prompts=args.prompts,
                                      max_new_tokens=args.max_new_tokens, seed=0)}
-    result = {"smollm2_untrained_drafter": serve_pair(smol, Path(untrained), traces, args.max_new_tokens, [2], "bfloat16")}
+    result = {"smollm2_untrained_drafter": serve_pair(smol, Path(untrained), traces, args.max_new_tokens, [2], args.dtype)}
+    if args.drafter:
+        from drafters.checkpoint import find_drafter_folder
+
+        result["smollm2_trained_drafter"] = serve_pair(smol, find_drafter_folder(args.drafter), traces,
+                                                       args.max_new_tokens, [2], args.dtype)
     tiny = engine_testbed.build(tmp / "tiny")
     tiny_traces = {"agentic": agentic_traces([str(tiny["log"])], engine_testbed.VOCAB, max_prompts=3,
                                              max_new_tokens=engine_testbed.NEW, quarantine_path=tmp / "q.jsonl")}
@@ -88,7 +96,7 @@ def part_regenerate(args, tmp: Path) -> dict:
     for backend in ("hf", "vllm"):
         started = time.perf_counter()
         dataset = regenerate(bench_prompts(args.prompts), target, tmp / f"regen-{backend}", batch_size=16,
-                             max_new_tokens=args.max_new_tokens, backend=backend, progress=False)
+                             max_new_tokens=args.max_new_tokens, backend=backend, progress=False, dtype=args.dtype)
         wall = time.perf_counter() - started
         summary = json.loads((tmp / f"regen-{backend}" / "summary.json").read_text()) \
             if (tmp / f"regen-{backend}" / "summary.json").exists() else {}
@@ -122,7 +130,7 @@ def part_capture(args, tmp: Path, regenerated: list[list[int]] | None) -> dict:
     dataset = Dataset.from_list(rows)
     tokens = sum(len(r["input_ids"]) for r in rows)
     out = {"rows": len(rows), "tokens": tokens}
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, args.dtype)).eval()
     hooks = HFCapture(model, layer_ids)
     started = time.perf_counter()
     write_feature_cache(dataset, hooks, tmp / "cache-hooks", progress=False)
@@ -130,7 +138,7 @@ def part_capture(args, tmp: Path, regenerated: list[list[int]] | None) -> dict:
     hooks.remove()
     del model, hooks
     started = time.perf_counter()
-    engine = EngineCapture(target, layer_ids, dtype="bfloat16")
+    engine = EngineCapture(target, layer_ids, dtype=args.dtype)
     startup = time.perf_counter() - started
     started = time.perf_counter()
     write_feature_cache(dataset, engine, tmp / "cache-engine", progress=False, batch_size=64)
@@ -146,11 +154,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--parts", default="serve,regenerate,capture")
+    parser.add_argument("--drafter", default=None, help="a trained SmolLM2 drafter to serve as well")
+    parser.add_argument("--dtype", default="auto", help="the SmolLM2 target's dtype (auto, bfloat16, float32)")
     args = parser.parse_args(argv)
     import torch
 
+    from common.dtypes import dtype_name, torch_dtype
+
+    args.dtype = dtype_name(torch_dtype(args.dtype))
     parts = args.parts.split(",")
-    result = {"bench": "engine", "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+    result = {"bench": "engine", "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
               "load_average_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as tmp_name:

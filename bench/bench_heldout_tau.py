@@ -22,11 +22,11 @@ import torch
 
 def continuations(target, tokenizer, prompts: int, new_tokens: int, categories=("code", "prose")) -> dict:
     """{category: [(sequence [1, T], n_prompt)]}: each held-out prompt and the target's greedy answer."""
-    from eval.inputs import target_stop_ids
+    from data.generation import stop_token_ids
     from drafters.spec_decode import target_generate
     from eval.traces import heldout_traces
 
-    stop_ids = target_stop_ids(tokenizer, target)
+    stop_ids = stop_token_ids(target, tokenizer)
     out = {}
     for category in categories:
         rows = []

@@ -16,7 +16,8 @@ def batch_seed(seed: int, ids: Sequence[str]) -> int:
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Ids that stop generation: the generation config's eos (of a loaded model, or a model folder), the chat
-    template's end of turn (Kimi: <|im_end|>, not its eos [EOS]) and the tokenizer's eos."""
+    template's end of turn (Kimi: <|im_end|>, not its eos [EOS]) and the tokenizer's eos. The one rule of
+    regeneration, the eval's decoders and the engine backend, so that all of them stop at the same token."""
     from data.chat_masks import end_of_turn_ids
 
     if isinstance(model, (str, Path)):
@@ -32,7 +33,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     configured = getattr(generation_config, "eos_token_id", None)
     if configured is not None:
         ids += list(configured) if isinstance(configured, (list, tuple)) else [configured]
-    ids += end_of_turn_ids(tokenizer)
+    ids += end_of_turn_ids(tokenizer) if tokenizer is not None else []
     ids = list(dict.fromkeys(int(i) for i in ids))
     if not ids:
         raise ValueError("neither the target's generation_config nor its tokenizer defines an eos token")

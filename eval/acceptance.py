@@ -32,7 +32,8 @@ import torch
 from common.dtypes import TORCH_DTYPES
 from configs.schema import PipelineConfig
 from drafters.spec_decode import Decoded, generate, lookup_generate, target_generate
-from eval.inputs import DrafterSpec, EvalError, load_spec, prepare, report_dir, target_stop_ids
+from data.generation import stop_token_ids
+from eval.inputs import DrafterSpec, EvalError, load_spec, prepare, report_dir
 from eval.measures import (LOOKUP, TARGET, first_difference, mismatch, summarize_category, teacher_forced_slots)
 from eval.traces import TraceError, TraceSet
 
@@ -136,7 +137,7 @@ def load_models(specs: list[DrafterSpec], target_path: Path, target_config, toke
     if lookup_draft is None:
         lookup_draft = (specs[0].block_size - 1) if specs else 15
     block_sizes = {**{s.name: drafters[s.name].block_size for s in specs}, LOOKUP: lookup_draft + 1, TARGET: 1}
-    return Models(target, head, drafters, references, target_stop_ids(tokenizer, target),
+    return Models(target, head, drafters, references, stop_token_ids(target, tokenizer),
                   [s.name for s in specs] + [LOOKUP, TARGET], block_sizes, lookup_draft)
 
 

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.atomic_files import write_json_atomic
+from common.dtypes import dtype_name, torch_dtype
+from data.generation import stop_token_ids
 
 TAU_TOLERANCE = 0.02
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -246,9 +248,8 @@ def evaluate_engine(drafter_args: list[str], config, engine_url: str | None = No
     if engine_url and len(specs) != 1:
         raise EvalError(f"--engine-url serves one drafter; {len(specs)} were given")
     engine_kwargs = dict(engine_kwargs or {})
-    engine_kwargs.setdefault("dtype", settings.dtype if settings.dtype not in ("fp32", "bf16") else
-                             {"fp32": "float32", "bf16": "bfloat16"}[settings.dtype])
-    stop_ids = _stop_ids(target_path, tokenizer)
+    engine_kwargs.setdefault("dtype", dtype_name(torch_dtype(settings.dtype)))
+    stop_ids = stop_token_ids(target_path, tokenizer)
     out_dir = report_dir(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     methods: dict[str, dict] = {}
@@ -298,22 +299,6 @@ def engine_report_markdown(report: dict) -> str:
             lines.append(f"| {name} | {m['backend']} | {category} | {s['prompts']} | {s['new_tokens']} | {tau} | {delivered} | "
                          f"{tps} | {same} |")
     return "\n".join(lines) + "\n"
-
-
-def _stop_ids(target_path: Path, tokenizer) -> list[int]:
-    from transformers import GenerationConfig
-
-    ids: set[int] = set()
-    try:
-        eos = GenerationConfig.from_pretrained(target_path).eos_token_id
-    except OSError:
-        eos = None
-    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return sorted(ids)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -197,17 +197,3 @@ def load_trace_sets(config: PipelineConfig, target_path: Path, target_config):
             notes.append(f"{ts.category}: {ts.skipped_budget} prompt(s) left out by --max-tokens, "
                          f"{ts.skipped_context} by the context window")
     return tokenizer, trace_sets, notes
-
-
-def target_stop_ids(tokenizer, target) -> list[int]:
-    from data.chat_masks import end_of_turn_ids
-
-    ids: set[int] = set(end_of_turn_ids(tokenizer)) if tokenizer is not None else set()
-    for value in (getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None,
-                  getattr(getattr(target, "generation_config", None), "eos_token_id", None),
-                  getattr(target.config, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return sorted(ids)

@@ -62,13 +62,23 @@ def _cell(m: dict, method: str) -> str:
 
 
 def markdown(report: dict) -> str:
-    s = report["settings"]
-    methods = report["methods"]
-    drafters = [d["name"] for d in report["drafters"]]
-    cats = report["categories"]
-    greedy = s["temperature"] <= 0
+    lines = _header(report)
+    lines += _speed_section(report)
+    lines += _sim_section(report)
+    lines += _reference_section(report)
+    if report["settings"]["temperature"] <= 0:
+        lines += _exactness_section(report)
+    lines += ["## Plots", "", "![tau by category](tau_by_category.png)", "",
+              "![per-slot acceptance](slot_acceptance.png)", "",
+              "Per-slot acceptance: the fraction of verify steps that accepted at least k drafted tokens.", ""]
+    lines += _notes_section(report)
+    return "\n".join(lines)
+
+
+def _header(report: dict) -> list[str]:
+    s, cats = report["settings"], report["categories"]
     lines = ["# DFlash acceptance report", ""]
-    mode = "greedy (T=0)" if greedy else f"sampled (T={s['temperature']:g})"
+    mode = "greedy (T=0)" if s["temperature"] <= 0 else f"sampled (T={s['temperature']:g})"
     lines.append(f"Target `{report['target']['path']}` ({s['dtype']}) · {mode} · up to {s['max_new_tokens']} new tokens "
                  f"per prompt · " + ", ".join(f"{c}: {cats[c]['prompts']} prompts" for c in cats if c != "all")
                  + f" · {report['created']}")
@@ -80,67 +90,80 @@ def markdown(report: dict) -> str:
         lines.append("")
     for w in report["warnings"]:
         lines += [f"> **WARNING:** {w}", ""]
+    return lines
 
-    lines += ["## Acceptance length and speed", ""]
+
+def _speed_section(report: dict) -> list[str]:
+    methods = report["methods"]
+    lines = ["## Acceptance length and speed", ""]
     lines.append("| category | prompts | " + " | ".join(label(report, m) for m in methods) + " |")
     lines.append("|---|---:|" + "---|" * len(methods))
-    for cat, c in cats.items():
+    for cat, c in report["categories"].items():
         cells = [_cell(c["methods"][m], m) for m in methods]
         lines.append(f"| {cat} | {c['prompts']} | " + " | ".join(cells) + " |")
     lines += ["", "Cell: **tau mean** / median (tokens committed per target verify step, bonus token included) · "
               "decode speedup over the target decoding alone on the same prompts · generated tokens/s "
               "(decode phase, prompt prefill excluded). The first token of every answer comes from the prefill "
               "and is not a step.", ""]
+    return lines
 
-    if drafters and any("sim_tau" in c["methods"][d] for c in cats.values() for d in drafters):
-        lines += ["## Cheap estimate vs real decoding", "",
-                  "Simulated tau: teacher forcing on the target's own continuations (blocks anchored at every "
-                  "position, `drafters.objective.acceptance_stats`) vs tau measured by decoding.", ""]
-        lines.append("| category | " + " | ".join(f"{d} (sim / real)" for d in drafters) + " |")
-        lines.append("|---|" + "---|" * len(drafters))
-        for cat, c in cats.items():
-            cells = [f"{_f(c['methods'][d].get('sim_tau'))} / {_f(c['methods'][d]['tau_mean'])}" for d in drafters]
-            lines.append(f"| {cat} | " + " | ".join(cells) + " |")
-        lines.append("")
 
-    refs = [(cat, d, c["methods"][d]["reference"]) for cat, c in cats.items() for d in drafters
+def _sim_section(report: dict) -> list[str]:
+    drafters, cats = [d["name"] for d in report["drafters"]], report["categories"]
+    if not (drafters and any("sim_tau" in c["methods"][d] for c in cats.values() for d in drafters)):
+        return []
+    lines = ["## Cheap estimate vs real decoding", "",
+             "Simulated tau: teacher forcing on the target's own continuations (blocks anchored at every "
+             "position, `drafters.objective.acceptance_stats`) vs tau measured by decoding.", ""]
+    lines.append("| category | " + " | ".join(f"{d} (sim / real)" for d in drafters) + " |")
+    lines.append("|---|" + "---|" * len(drafters))
+    for cat, c in cats.items():
+        cells = [f"{_f(c['methods'][d].get('sim_tau'))} / {_f(c['methods'][d]['tau_mean'])}" for d in drafters]
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _reference_section(report: dict) -> list[str]:
+    drafters, greedy = [d["name"] for d in report["drafters"]], report["settings"]["temperature"] <= 0
+    refs = [(cat, d, c["methods"][d]["reference"]) for cat, c in report["categories"].items() for d in drafters
             if c["methods"][d].get("reference")]
-    if refs:
-        lines += ["## Reference cross-check (z-lab `dflash_generate`, same checkpoint and target)", ""]
-        head = "| category | drafter | prompts | tau ours | tau reference | diff | acceptance lengths equal |"
-        lines.append(head + (" outputs identical (ours / target) |" if greedy else ""))
-        lines.append("|---|---|---:|---:|---:|---:|---:|" + ("---:|" if greedy else ""))
-        for cat, d, r in refs:
-            row = (f"| {cat} | {d} | {r['prompts']} | {_f(r['tau_ours'], '{:.3f}')} | {_f(r['tau_reference'], '{:.3f}')} | "
-                   f"{_f(None if r['rel_diff'] is None else 100 * r['rel_diff'], '{:+.2f}%')} | "
-                   f"{r['acceptance_lengths_equal']}/{r['prompts']} |")
-            if greedy:
-                row += f" {r['outputs_identical_to_ours']}/{r['prompts']} / {r['outputs_identical_to_target']}/{r['prompts']} |"
-            lines.append(row)
-        lines += ["", "Goal: tau within 2% of the reference; at T=0 the same outputs and acceptance lengths.", ""]
+    if not refs:
+        return []
+    lines = ["## Reference cross-check (z-lab `dflash_generate`, same checkpoint and target)", ""]
+    head = "| category | drafter | prompts | tau ours | tau reference | diff | acceptance lengths equal |"
+    lines.append(head + (" outputs identical (ours / target) |" if greedy else ""))
+    lines.append("|---|---|---:|---:|---:|---:|---:|" + ("---:|" if greedy else ""))
+    for cat, d, r in refs:
+        row = (f"| {cat} | {d} | {r['prompts']} | {_f(r['tau_ours'], '{:.3f}')} | {_f(r['tau_reference'], '{:.3f}')} | "
+               f"{_f(None if r['rel_diff'] is None else 100 * r['rel_diff'], '{:+.2f}%')} | "
+               f"{r['acceptance_lengths_equal']}/{r['prompts']} |")
+        if greedy:
+            row += f" {r['outputs_identical_to_ours']}/{r['prompts']} / {r['outputs_identical_to_target']}/{r['prompts']} |"
+        lines.append(row)
+    return lines + ["", "Goal: tau within 2% of the reference; at T=0 the same outputs and acceptance lengths.", ""]
 
-    if greedy:
-        lines += ["## Exactness at T=0", ""]
-        checked = [m for m in methods if m != "target"]
-        per_cat = {cat: c for cat, c in cats.items() if cat != "all"}
-        total = sum(per_cat[c]["methods"][m]["prompts"] for c in per_cat for m in checked)
-        if not report["mismatches"]:
-            lines.append(f"All {total} outputs ({', '.join(label(report, m) for m in checked)}; every prompt) and every "
-                         "reference decode are identical to the target's own greedy output, token for token.")
-        else:
-            lines.append(f"**{len(report['mismatches'])} output(s) differ from the target's greedy output:**")
-            lines += ["", "| method | category | prompt | first differing new token | new tokens (method / target) |",
-                      "|---|---|---|---:|---:|"]
-            for m in report["mismatches"]:
-                lines.append(f"| {m['method']} | {m['category']} | `{m['prompt_id']}` | {m['first_diff']} | "
-                             f"{m['method_new_tokens']} / {m['target_new_tokens']} |")
-        lines.append("")
 
-    lines += ["## Plots", "", "![tau by category](tau_by_category.png)", "",
-              "![per-slot acceptance](slot_acceptance.png)", "",
-              "Per-slot acceptance: the fraction of verify steps that accepted at least k drafted tokens.", ""]
+def _exactness_section(report: dict) -> list[str]:
+    lines = ["## Exactness at T=0", ""]
+    checked = [m for m in report["methods"] if m != "target"]
+    per_cat = {cat: c for cat, c in report["categories"].items() if cat != "all"}
+    total = sum(per_cat[c]["methods"][m]["prompts"] for c in per_cat for m in checked)
+    if not report["mismatches"]:
+        lines.append(f"All {total} outputs ({', '.join(label(report, m) for m in checked)}; every prompt) and every "
+                     "reference decode are identical to the target's own greedy output, token for token.")
+    else:
+        lines.append(f"**{len(report['mismatches'])} output(s) differ from the target's greedy output:**")
+        lines += ["", "| method | category | prompt | first differing new token | new tokens (method / target) |",
+                  "|---|---|---|---:|---:|"]
+        for m in report["mismatches"]:
+            lines.append(f"| {m['method']} | {m['category']} | `{m['prompt_id']}` | {m['first_diff']} | "
+                         f"{m['method_new_tokens']} / {m['target_new_tokens']} |")
+    return lines + [""]
 
-    lines += ["## Notes", ""]
+
+def _notes_section(report: dict) -> list[str]:
+    s, cats = report["settings"], report["categories"]
+    lines = ["## Notes", ""]
     notes = list(report["notes"])
     notes.append("Speedup = decode tokens/s of the method / decode tokens/s of the target alone, each summed over the "
                  "category's prompts; prefill is timed separately for every method (end-to-end figures, prefill "
@@ -156,12 +179,12 @@ def markdown(report: dict) -> str:
                      "random drafter 1.00" + (f"; this run's prompt lookup: {measured}" if measured else "") +
                      ". Prompt lookup depends strongly on the prompts (excerpts the target quotes, greedy repetition "
                      "loops), so the bar a drafter has to beat is this report's prompt-lookup column on the same prompts.")
-    if not greedy:
+    if s["temperature"] > 0:
         notes.append("T>0: outputs are samples, so they are not compared token for token; rejection sampling keeps "
                      "them distributed as the target's own samples. Sim tau stays a greedy-match estimate.")
     lines += [f"- {n}" for n in notes]
     lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def _methods_for_plot(report: dict) -> list[str]:

@@ -34,7 +34,8 @@ from drafters.checkpoint import find_drafter_folder, load_drafter, save_drafter
 from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from drafters.target_loading import load_target_config
-from train.batches import DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
+from drafters.capture import Captured
+from train.batches import Batch, DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
 from common.atomic_files import write_json_atomic
 from common.dtypes import native_bf16
 from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
@@ -80,34 +81,16 @@ def train(config: PipelineConfig) -> Path:
     started = time.perf_counter()
     tc = config.train
     accelerator = make_accelerator(config)
-    if accelerator.device.type == "cpu":
-        # `accelerate launch` exports OMP_NUM_THREADS=1 unless told otherwise, which halves a 2-core run.
-        threads = tc.cpu_threads or max(1, len(os.sched_getaffinity(0)) // accelerator.num_processes)
-        torch.set_num_threads(threads)
-        accelerator.print(f"[train] CPU: {threads} torch threads per process")
+    use_cpu_threads(accelerator, tc.cpu_threads)
     set_seed(tc.seed, deterministic=not torch.cuda.is_available())
-    output_dir = Path(config.output_dir)
-    log = accelerator.print
+    output_dir, log = Path(config.output_dir), accelerator.print
 
     # Everything that can be refused is checked before any training work, the cheap checks first.
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ValueError(f"output_dir {output_dir} exists and is not a folder")
-    existing = latest_checkpoint(output_dir)
-    if existing is not None and not tc.resume:
-        raise ValueError(f"output_dir {output_dir} already holds checkpoints (newest {existing.name}) and train.resume is false; use a new output_dir")
-    if existing is not None:
-        check_config_drift(existing, config, log)
-        check_no_pickles(existing, tc.trust_checkpoint_pickles, is_deepspeed(accelerator), log)
+    existing = checkpoint_to_resume(config, accelerator, log)
     target_path = resolve_target(config, log)
     target_config = load_target_config(target_path, config.target.trust_remote_code)
-    if tc.init_from:
-        # Stage 2 keeps the stage-1 drafter's architecture, target layers and mask token.
-        drafter = load_drafter(find_drafter_folder(tc.init_from), target_config=target_config).float()
-        draft_config = drafter.config
-        log(f"[train] init_from {tc.init_from} (weights only; its architecture replaces the drafter section)")
-    else:
-        draft_config = resolve_draft_config(config, target_path, target_config)
-        drafter = DFlashDrafter(draft_config)
+    drafter = initial_drafter(config, target_path, target_config, log)
+    draft_config = drafter.config
     dataset = training_dataset(config, target_path, accelerator, drafter.target_layer_ids)
     check_training_dataset(dataset, str(config.data.dataset or config.train.stage), config.data.max_seq_len)
 
@@ -117,62 +100,21 @@ def train(config: PipelineConfig) -> Path:
     drafter.train()
 
     rank, world = accelerator.process_index, accelerator.num_processes
-    batches_per_epoch = len(shard_batches(epoch_batches(len(dataset), tc.batch_size, seed=tc.seed, epoch=0), rank, world))
-    if batches_per_epoch < tc.grad_accum:
-        raise DatasetError(f"{len(dataset)} sequences give {batches_per_epoch} batches per process, fewer than grad_accum={tc.grad_accum}")
-    steps_per_epoch = batches_per_epoch // tc.grad_accum
-    total_steps = tc.max_steps or steps_per_epoch * tc.epochs
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=math.ceil(tc.warmup_ratio * total_steps), num_training_steps=total_steps,
-        min_lr_rate=tc.min_lr_ratio,
-    )
-    if is_deepspeed(accelerator):
-        # No dataloader goes through prepare(): DeepSpeed learns the micro-batch and clipping from here.
-        accelerator.state.deepspeed_plugin.deepspeed_config.update(
-            train_micro_batch_size_per_gpu=tc.batch_size, gradient_clipping=tc.grad_clip)
-    drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    if accelerator.gradient_accumulation_steps != tc.grad_accum:
-        raise ValueError(f"the launcher accumulates {accelerator.gradient_accumulation_steps} micro-batches per step, "
-                         f"train.grad_accum is {tc.grad_accum}; remove gradient_accumulation_steps from the accelerate config")
+    total_steps = count_steps(len(dataset), tc, rank, world)
+    optimizer, scheduler = make_optimizer(drafter, tc, total_steps)
+    drafter, optimizer = prepare(accelerator, drafter, optimizer, tc)
     parts = {"model": drafter, "optimizer": optimizer, "scheduler": scheduler}
-
     state = TrainerState()
     if existing is not None:
-        state = load_checkpoint(accelerator, existing, **parts)
-        _apply_config_hyperparameters(optimizer, scheduler, tc)
-        # Wall time is counted per process run; a resumed run adds its own (preparation included).
-        started -= state.elapsed_seconds
-        log(f"[train] resumed from {existing} (step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch})")
+        state = resume(accelerator, existing, parts, tc, log)
+        started -= state.elapsed_seconds  # wall time is counted per process run; a resumed run adds its own
+    start_trackers(config, accelerator, target_path)
 
-    if config.logging.wandb:
-        os.environ.setdefault("WANDB_MODE", config.logging.wandb_mode)
-        accelerator.init_trackers(
-            config.logging.wandb_project,
-            config={**config.model_dump(mode="json"), "git_revision": git_revision(), "target_path": str(target_path)},
-            init_kwargs={"wandb": {"name": config.run_name, "dir": str(output_dir)}},
-        )
-
-    def save_serving_drafter(path: Path) -> None:
-        weights = accelerator.get_state_dict(drafter)  # collective (gathers ZeRO-3 shards)
-        if accelerator.is_main_process:
-            copy = DFlashDrafter(draft_config)
-            copy.load_state_dict({k: v.float() for k, v in weights.items()})
-            save_drafter(copy, path, dtype=torch.bfloat16)
-
-    gamma = tc.gamma or default_gamma(draft_config.block_size)
-    keep_prob = slot_weights(draft_config.block_size, gamma) if tc.sample_slots else None
     pad_id = target_config.pad_token_id if isinstance(target_config.pad_token_id, int) else 0
-    needs_choices = tc.anchor_scope == "sequence" or tc.loss == "ce_target"
-    choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk, store=choices_store(features_of), num_rows=len(dataset),
-                               writes=accelerator.is_main_process) if needs_choices else None
-    if choices_of is not None and choices_of.loaded:
-        log(f"[train] the target's greedy choices of every row read from {choices_of.store}")
-    head_vocab = training_head(head.lm_head.weight, tc.head_vocab, log, lambda: emitted_token_counts(
-        dataset, features_of, choices_of, tc.batch_size, config.data.max_seq_len, pad_id, head.vocab_size))
+    objective = Objective.build(config, draft_config, head, dataset, features_of, pad_id, accelerator)
+    save_serving_drafter = serving_drafter_writer(accelerator, drafter, draft_config)
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
-    window = _new_window()
-    step_finite, nonfinite_run = True, 0
+    window, health = _new_window(), StepHealth()
 
     while state.step < total_steps:
         batches = shard_batches(epoch_batches(len(dataset), tc.batch_size, seed=tc.seed, epoch=state.epoch), rank, world)
@@ -180,37 +122,15 @@ def train(config: PipelineConfig) -> Path:
         for batch_idx in range(state.batch_in_epoch, usable):
             batch = collate(dataset, batches[batch_idx], config.data.max_seq_len, pad_id)
             # Seeded by the batch's place in the epoch's global order: the same anchors whatever the process count.
-            global_batch = batch_idx * world + rank
-            generator = torch.Generator().manual_seed((((tc.seed * 1_000_003 + state.epoch) * 1_000_003 + global_batch) * 64) % 2**63)
-            supervised = batch.loss_mask if tc.anchor_scope == "loss_mask" else batch.attention_mask.bool()
-            anchors, anchor_valid = sample_anchors(supervised, tc.anchors_per_seq, generator)
-            input_ids = batch.input_ids.to(accelerator.device)
-            features = features_of(batch)
-            anchors, anchor_valid = anchors.to(accelerator.device), anchor_valid.to(accelerator.device)
-            choices = choices_of(batch, features) if choices_of else None
-            on_path = greedy_path(input_ids, choices) if tc.anchor_scope == "sequence" else None
+            generator = torch.Generator().manual_seed(anchor_seed(tc.seed, state.epoch, batch_idx * world + rank))
             with accelerator.accumulate(drafter):
-                with accelerator.autocast():
-                    hidden = drafter(features.selected, input_ids, anchors, head.embed)
-                targets = block_targets(anchors, anchor_valid, supervised.to(accelerator.device), draft_config.block_size, on_path)
-                out = block_loss(hidden.float(), targets, features.final_hidden, input_ids, head_vocab,
-                                 gamma=gamma, kind=tc.loss, choices=choices, temperature=tc.kl_temperature, chunk_rows=tc.logits_chunk,
-                                 sample_slots=generator if tc.sample_slots else None)
+                out, anchor_valid = objective(drafter, batch, features_of(batch), generator)
                 accelerator.backward(out.loss)
                 loss = out.loss.item()
-                step_finite &= math.isfinite(loss)
+                health.finite &= math.isfinite(loss)
                 if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
-                    step_finite = _on_every_rank(accelerator, step_finite and (grad_norm is None or math.isfinite(float(grad_norm))))
-                    if step_finite:  # DeepSpeed has stepped inside backward already; the weight check below stops it
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            if math.isfinite(loss):
-                window["loss"] += loss / tc.grad_accum
-            window["correct"].append(out.slot_correct.flatten(0, 1).cpu())
-            window["valid"].append(out.slot_valid.flatten(0, 1).cpu())
-            window["tokens"] += int(anchor_valid.sum()) * draft_config.block_size
-            window["sequences"] += len(batch.indices)
+                    optimizer_step(accelerator, drafter, optimizer, tc.grad_clip, health)
+            _record_micro_batch(window, loss / tc.grad_accum, out, anchor_valid, len(batch.indices), draft_config.block_size)
             state.batch_in_epoch = batch_idx + 1
             if not accelerator.sync_gradients:
                 continue
@@ -219,28 +139,10 @@ def train(config: PipelineConfig) -> Path:
             state.elapsed_seconds = time.perf_counter() - started
             window["steps"] += 1
             progress.update(1)
-            nonfinite_run = 0 if step_finite else nonfinite_run + 1
-            step_finite = True
-            if nonfinite_run:
-                window["nonfinite_steps"] += 1
-                log(f"[train] step {state.step}: non-finite loss or gradient norm, step skipped ({nonfinite_run} in a row)")
-            _check_divergence(drafter, state.step, nonfinite_run, tc.max_nonfinite_steps, output_dir)
-            if state.step % tc.log_every == 0 or state.step == total_steps:
-                metrics = _window_metrics(window, scheduler.get_last_lr()[0], world, keep_prob)
-                sequences = accelerator.reduce(torch.tensor([window["sequences"]], device=accelerator.device), reduction="sum")
-                metrics["sequences_per_step"] = float(sequences.item()) / window["steps"]
-                window = _new_window()
-                state.metrics = metrics
-                progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['slot1_acc']:.2f}", tau=f"{metrics['sim_tau']:.2f}")
-                accelerator.log(metrics, step=state.step)
-            if tc.snapshot_every and (state.step % tc.snapshot_every == 0 or state.step == total_steps):
-                snapshot = output_dir / "snapshots" / f"step-{state.step:06d}"
-                save_serving_drafter(snapshot)
-                if accelerator.is_main_process:
-                    write_json_atomic(snapshot / "trainer_state.json", asdict(state))
-            if state.step % tc.save_every == 0 or state.step == total_steps:
-                save_checkpoint(accelerator, output_dir, state, save_serving_drafter, tc.keep_last,
-                                run_config=config.model_dump(mode="json"), **parts)
+            health.end_step(state.step, window, log)
+            _check_divergence(drafter, state.step, health.nonfinite_run, tc.max_nonfinite_steps, output_dir)
+            window = after_step(config, accelerator, state, total_steps, window, scheduler, objective.keep_prob,
+                                progress, save_serving_drafter, parts)
             if state.step >= total_steps:
                 break
         else:
@@ -251,6 +153,188 @@ def train(config: PipelineConfig) -> Path:
     final = latest_checkpoint(output_dir)
     log(f"[train] done: {total_steps} steps; drafter at {final / 'drafter'}")
     return final / "drafter"
+
+
+# --------------------------------------------------------------------------------------------------
+# Phases of a run, in the order train() calls them
+# --------------------------------------------------------------------------------------------------
+
+def use_cpu_threads(accelerator: Accelerator, cpu_threads: int | None) -> None:
+    if accelerator.device.type == "cpu":
+        # `accelerate launch` exports OMP_NUM_THREADS=1 unless told otherwise, which halves a 2-core run.
+        threads = cpu_threads or max(1, len(os.sched_getaffinity(0)) // accelerator.num_processes)
+        torch.set_num_threads(threads)
+        accelerator.print(f"[train] CPU: {threads} torch threads per process")
+
+
+def checkpoint_to_resume(config: PipelineConfig, accelerator: Accelerator, log) -> Path | None:
+    """The newest checkpoint of output_dir, once it is known to continue this run; None for a new run."""
+    output_dir, tc = Path(config.output_dir), config.train
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"output_dir {output_dir} exists and is not a folder")
+    existing = latest_checkpoint(output_dir)
+    if existing is None:
+        return None
+    if not tc.resume:
+        raise ValueError(f"output_dir {output_dir} already holds checkpoints (newest {existing.name}) and train.resume is false; use a new output_dir")
+    check_config_drift(existing, config, log)
+    check_no_pickles(existing, tc.trust_checkpoint_pickles, is_deepspeed(accelerator), log)
+    return existing
+
+
+def initial_drafter(config: PipelineConfig, target_path: Path, target_config, log) -> DFlashDrafter:
+    if config.train.init_from:
+        # Stage 2 keeps the stage-1 drafter's architecture, target layers and mask token.
+        log(f"[train] init_from {config.train.init_from} (weights only; its architecture replaces the drafter section)")
+        return load_drafter(find_drafter_folder(config.train.init_from), target_config=target_config).float()
+    return DFlashDrafter(resolve_draft_config(config, target_path, target_config))
+
+
+def count_steps(num_rows: int, tc, rank: int, world: int) -> int:
+    """Optimizer steps of the run: every process takes the same number of batches, tc.grad_accum per step."""
+    batches_per_epoch = len(shard_batches(epoch_batches(num_rows, tc.batch_size, seed=tc.seed, epoch=0), rank, world))
+    if batches_per_epoch < tc.grad_accum:
+        raise DatasetError(f"{num_rows} sequences give {batches_per_epoch} batches per process, fewer than grad_accum={tc.grad_accum}")
+    return tc.max_steps or batches_per_epoch // tc.grad_accum * tc.epochs
+
+
+def make_optimizer(drafter: DFlashDrafter, tc, total_steps: int):
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=math.ceil(tc.warmup_ratio * total_steps), num_training_steps=total_steps,
+        min_lr_rate=tc.min_lr_ratio,
+    )
+    return optimizer, scheduler
+
+
+def prepare(accelerator: Accelerator, drafter, optimizer, tc):
+    if is_deepspeed(accelerator):
+        # No dataloader goes through prepare(): DeepSpeed learns the micro-batch and clipping from here.
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=tc.batch_size, gradient_clipping=tc.grad_clip)
+    drafter, optimizer = accelerator.prepare(drafter, optimizer)
+    if accelerator.gradient_accumulation_steps != tc.grad_accum:
+        raise ValueError(f"the launcher accumulates {accelerator.gradient_accumulation_steps} micro-batches per step, "
+                         f"train.grad_accum is {tc.grad_accum}; remove gradient_accumulation_steps from the accelerate config")
+    return drafter, optimizer
+
+
+def resume(accelerator: Accelerator, checkpoint: Path, parts: dict, tc, log) -> TrainerState:
+    state = load_checkpoint(accelerator, checkpoint, **parts)
+    _apply_config_hyperparameters(parts["optimizer"], parts["scheduler"], tc)
+    log(f"[train] resumed from {checkpoint} (step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch})")
+    return state
+
+
+def start_trackers(config: PipelineConfig, accelerator: Accelerator, target_path: Path) -> None:
+    if not config.logging.wandb:
+        return
+    os.environ.setdefault("WANDB_MODE", config.logging.wandb_mode)
+    accelerator.init_trackers(
+        config.logging.wandb_project,
+        config={**config.model_dump(mode="json"), "git_revision": git_revision(), "target_path": str(target_path)},
+        init_kwargs={"wandb": {"name": config.run_name, "dir": str(config.output_dir)}},
+    )
+
+
+def serving_drafter_writer(accelerator: Accelerator, drafter, draft_config):
+    """save(path): the drafter in serving format (bf16 safetensors + config), written by the main process."""
+    def save(path: Path) -> None:
+        weights = accelerator.get_state_dict(drafter)  # collective (gathers ZeRO-3 shards)
+        if accelerator.is_main_process:
+            copy = DFlashDrafter(draft_config)
+            copy.load_state_dict({k: v.float() for k, v in weights.items()})
+            save_drafter(copy, path, dtype=torch.bfloat16)
+    return save
+
+
+class Objective:
+    """What one micro-batch is scored on: anchors, block targets along the target's greedy path, the loss."""
+
+    def __init__(self, tc, block_size: int, head: FrozenTargetHead, head_vocab: HeadVocabulary,
+                 choices_of: TargetChoices | None, accelerator: Accelerator):
+        self.tc, self.block_size, self.head, self.head_vocab, self.choices_of = tc, block_size, head, head_vocab, choices_of
+        self.device, self.autocast = accelerator.device, accelerator.autocast
+        self.gamma = tc.gamma or default_gamma(block_size)
+        self.keep_prob = slot_weights(block_size, self.gamma) if tc.sample_slots else None
+
+    @classmethod
+    def build(cls, config: PipelineConfig, draft_config, head: FrozenTargetHead, dataset, features_of, pad_id: int,
+              accelerator: Accelerator) -> "Objective":
+        tc, log = config.train, accelerator.print
+        needs_choices = tc.anchor_scope == "sequence" or tc.loss == "ce_target"
+        choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk, store=choices_store(features_of),
+                                   num_rows=len(dataset), writes=accelerator.is_main_process) if needs_choices else None
+        if choices_of is not None and choices_of.loaded:
+            log(f"[train] the target's greedy choices of every row read from {choices_of.store}")
+        head_vocab = training_head(head.lm_head.weight, tc.head_vocab, log, lambda: emitted_token_counts(
+            dataset, features_of, choices_of, tc.batch_size, config.data.max_seq_len, pad_id, head.vocab_size))
+        return cls(tc, draft_config.block_size, head, head_vocab, choices_of, accelerator)
+
+    def __call__(self, drafter, batch: Batch, features: Captured, generator: torch.Generator):
+        tc = self.tc
+        supervised = batch.loss_mask if tc.anchor_scope == "loss_mask" else batch.attention_mask.bool()
+        anchors, anchor_valid = sample_anchors(supervised, tc.anchors_per_seq, generator)
+        input_ids = batch.input_ids.to(self.device)
+        anchors, anchor_valid = anchors.to(self.device), anchor_valid.to(self.device)
+        choices = self.choices_of(batch, features) if self.choices_of else None
+        on_path = greedy_path(input_ids, choices) if tc.anchor_scope == "sequence" else None
+        with self.autocast():
+            hidden = drafter(features.selected, input_ids, anchors, self.head.embed)
+        targets = block_targets(anchors, anchor_valid, supervised.to(self.device), self.block_size, on_path)
+        out = block_loss(hidden.float(), targets, features.final_hidden, input_ids, self.head_vocab,
+                         gamma=self.gamma, kind=tc.loss, choices=choices, temperature=tc.kl_temperature,
+                         chunk_rows=tc.logits_chunk, sample_slots=generator if tc.sample_slots else None)
+        return out, anchor_valid
+
+
+class StepHealth:
+    """Whether the current optimizer step is finite on every rank, and how many steps in a row were not."""
+
+    def __init__(self):
+        self.finite, self.nonfinite_run = True, 0
+
+    def end_step(self, step: int, window: dict, log) -> None:
+        self.nonfinite_run = 0 if self.finite else self.nonfinite_run + 1
+        self.finite = True
+        if self.nonfinite_run:
+            window["nonfinite_steps"] += 1
+            log(f"[train] step {step}: non-finite loss or gradient norm, step skipped ({self.nonfinite_run} in a row)")
+
+
+def optimizer_step(accelerator: Accelerator, drafter, optimizer, grad_clip: float, health: StepHealth) -> None:
+    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), grad_clip)
+    health.finite = _on_every_rank(accelerator, health.finite and (grad_norm is None or math.isfinite(float(grad_norm))))
+    if health.finite:  # DeepSpeed has stepped inside backward already; the weight check stops a diverged run
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def after_step(config: PipelineConfig, accelerator: Accelerator, state: TrainerState, total_steps: int, window: dict,
+               scheduler, keep_prob, progress, save_serving_drafter, parts: dict) -> dict:
+    """Logs every train.log_every steps, keeps snapshots and checkpoints; returns the metrics window to fill next."""
+    tc, output_dir, last = config.train, Path(config.output_dir), state.step == total_steps
+    if state.step % tc.log_every == 0 or last:
+        metrics = _window_metrics(window, scheduler.get_last_lr()[0], accelerator.num_processes, keep_prob)
+        sequences = accelerator.reduce(torch.tensor([window["sequences"]], device=accelerator.device), reduction="sum")
+        metrics["sequences_per_step"] = float(sequences.item()) / window["steps"]
+        window = _new_window()
+        state.metrics = metrics
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['slot1_acc']:.2f}", tau=f"{metrics['sim_tau']:.2f}")
+        accelerator.log(metrics, step=state.step)
+    if tc.snapshot_every and (state.step % tc.snapshot_every == 0 or last):
+        snapshot = output_dir / "snapshots" / f"step-{state.step:06d}"
+        save_serving_drafter(snapshot)
+        if accelerator.is_main_process:
+            write_json_atomic(snapshot / "trainer_state.json", asdict(state))
+    if state.step % tc.save_every == 0 or last:
+        save_checkpoint(accelerator, output_dir, state, save_serving_drafter, tc.keep_last,
+                        run_config=config.model_dump(mode="json"), **parts)
+    return window
+
+
+def anchor_seed(seed: int, epoch: int, global_batch: int) -> int:
+    return (((seed * 1_000_003 + epoch) * 1_000_003 + global_batch) * 64) % 2**63
 
 
 def make_accelerator(config: PipelineConfig) -> Accelerator:
@@ -337,6 +421,15 @@ def _check_divergence(drafter, step: int, nonfinite_run: int, limit: int, output
     if not bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
         bad = [name for name, p in params if not torch.isfinite(p).all()]
         raise diverged(f"non-finite weights in {len(bad)} tensor(s) ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+
+
+def _record_micro_batch(window: dict, loss: float, out, anchor_valid: torch.Tensor, sequences: int, block_size: int) -> None:
+    if math.isfinite(loss):
+        window["loss"] += loss
+    window["correct"].append(out.slot_correct.flatten(0, 1).cpu())
+    window["valid"].append(out.slot_valid.flatten(0, 1).cpu())
+    window["tokens"] += int(anchor_valid.sum()) * block_size
+    window["sequences"] += sequences
 
 
 def _new_window() -> dict:

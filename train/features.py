@@ -22,7 +22,7 @@ from configs.schema import PipelineConfig
 from data.feature_cache import CacheMismatchError
 from drafters.capture import Captured, make_capture
 from train.batches import Batch
-from train.setup import load_target_model
+from train.setup import load_configured_target
 
 
 class OnlineFeatures:
@@ -105,7 +105,7 @@ def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, la
 
         target, capture = None, EngineCapture(target_path, layer_ids, with_final=True)
     else:
-        target = load_target_model(config, target_path, device)
+        target = load_configured_target(config, target_path, device)
         capture = make_capture(config.target.backend, target, layer_ids)
     known = _regenerated(config, target_path, layer_ids, cache_root) if layout == "rows" else None
     if known is not None and hasattr(capture, "known_features"):
@@ -139,7 +139,7 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
     if config.features.mode == "online":
         if config.target.backend == "vllm":
             raise ValueError("target.backend: vllm captures features offline: set features.mode: offline")
-        target = load_target_model(config, target_path, accelerator.device)
+        target = load_configured_target(config, target_path, accelerator.device)
         capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)
         return OnlineFeatures(capture, accelerator.device, with_final)
 

@@ -58,7 +58,8 @@ def drafter_layer_ids(config: PipelineConfig, target_path: Path, target_config) 
     return dflash_settings(resolve_draft_config(config, target_path, target_config))[0]
 
 
-def load_target_model(config: PipelineConfig, target_path: Path, device: torch.device):
+def load_configured_target(config: PipelineConfig, target_path: Path, device: torch.device):
+    """The target as the config asks for it (dtype, device_map, trust_remote_code), on `device`."""
     from drafters.target_loading import load_target_model as load
 
     device_map = config.target.device_map if device.type != "cpu" else None

@@ -12,10 +12,10 @@ from retraining.records import Cycle
 
 
 def gate_eval_config(cycle: Cycle, heldout_files: list[str], out: Path) -> PipelineConfig:
-    """The gate's eval (retrain.eval) on the held-out files, with the run's target loaded whole."""
+    """The gate's eval (retrain.eval) on the held-out files, with the run's target placed as the run places it
+    (target.device_map: a sharded Kimi-size target stays sharded)."""
     gate_config = cycle.config.model_copy(deep=True)
     gate_config.target.path = str(cycle.target_path)
-    gate_config.target.device_map = None
     gate_config.eval = cycle.config.retrain.eval.model_copy(update={"agentic_log": list(heldout_files), "out": str(out)})
     return gate_config
 

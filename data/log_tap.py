@@ -95,101 +95,106 @@ def _session_of(headers, body: dict, response_id: str) -> str:
         or f"request-{response_id}"
 
 
-def make_handler(upstream: str, tap: TrajectoryTap, timeout: float = 600.0):
-    upstream = upstream.rstrip("/")
+class TapHandler(BaseHTTPRequestHandler):
+    """Forwards every request to `upstream`; logs the token ids of completions into `tap`. make_handler binds
+    both (http.server builds a handler per request from its class)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    protocol_version = "HTTP/1.1"
+    upstream = ""
+    tap: TrajectoryTap | None = None
+    upstream_timeout = 600.0
 
-        def log_message(self, fmt, *args):  # one line per request on stderr is noise for a proxy
-            pass
+    def log_message(self, fmt, *args):  # one line per request on stderr is noise for a proxy
+        pass
 
-        def _forward(self, method: str, body: bytes | None):
-            headers = {k: v for k, v in self.headers.items()
-                       if k.lower() not in ("host", "content-length", "connection", "accept-encoding")}
-            request = urllib.request.Request(upstream + self.path, data=body, method=method, headers=headers)
-            try:
-                return urllib.request.urlopen(request, timeout=timeout)
-            except urllib.error.HTTPError as err:
-                return err
+    def _forward(self, method: str, body: bytes | None):
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in ("host", "content-length", "connection", "accept-encoding")}
+        request = urllib.request.Request(self.upstream + self.path, data=body, method=method, headers=headers)
+        try:
+            return urllib.request.urlopen(request, timeout=self.upstream_timeout)
+        except urllib.error.HTTPError as err:
+            return err
 
-        def _reply(self, status: int, headers, payload: bytes):
-            self.send_response(status)
-            for k, v in headers:
-                if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
-                    self.send_header(k, v)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+    def _reply(self, status: int, headers, payload: bytes):
+        self.send_response(status)
+        for k, v in headers:
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
 
-        def do_GET(self):
-            with self._forward("GET", None) as response:
+    def do_GET(self):
+        with self._forward("GET", None) as response:
+            self._reply(response.status, response.headers.items(), response.read())
+
+    def do_POST(self):
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        path = self.path.split("?")[0]
+        if path not in LOGGED_PATHS:
+            with self._forward("POST", raw) as response:
                 self._reply(response.status, response.headers.items(), response.read())
-
-        def do_POST(self):
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            path = self.path.split("?")[0]
-            if path not in LOGGED_PATHS:
-                with self._forward("POST", raw) as response:
-                    self._reply(response.status, response.headers.items(), response.read())
+            return
+        arrived = time.time()
+        body = json.loads(raw or b"{}")
+        asked_ids = bool(body.get("return_token_ids"))
+        body["return_token_ids"] = True
+        with self._forward("POST", json.dumps(body).encode()) as response:
+            if response.status != 200:
+                self._reply(response.status, response.headers.items(), response.read())
                 return
-            arrived = time.time()
-            body = json.loads(raw or b"{}")
-            asked_ids = bool(body.get("return_token_ids"))
-            body["return_token_ids"] = True
-            with self._forward("POST", json.dumps(body).encode()) as response:
-                if response.status != 200:
-                    self._reply(response.status, response.headers.items(), response.read())
-                    return
-                if body.get("stream"):
-                    self._stream(response, body, asked_ids, arrived)
-                    return
-                answer = json.loads(response.read())
-                self._log(body, answer.get("id", ""), answer.get("prompt_token_ids"),
-                          [(c.get("index", 0), c.get("token_ids"), c.get("finish_reason")) for c in answer["choices"]],
-                          arrived)
+            if body.get("stream"):
+                self._stream(response, body, asked_ids, arrived)
+                return
+            answer = json.loads(response.read())
+            self._log(body, answer.get("id", ""), answer.get("prompt_token_ids"),
+                      [(c.get("index", 0), c.get("token_ids"), c.get("finish_reason")) for c in answer["choices"]],
+                      arrived)
+            if not asked_ids:
+                answer.pop("prompt_token_ids", None)
+                for choice in answer["choices"]:
+                    choice.pop("token_ids", None)
+            self._reply(200, response.headers.items(), json.dumps(answer).encode())
+
+    def _stream(self, response, body: dict, asked_ids: bool, arrived: float):
+        self.send_response(200)
+        for k, v in response.headers.items():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                self.send_header(k, v)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        response_id, prompt_ids = "", None
+        outputs: dict[int, list[int]] = {}
+        finish: dict[int, str | None] = {}
+        for line in response:
+            text = line.decode().strip()
+            if text.startswith("data: ") and text != "data: [DONE]":
+                chunk = json.loads(text[6:])
+                response_id = chunk.get("id", response_id)
+                prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+                for choice in chunk.get("choices", []):
+                    i = choice.get("index", 0)
+                    outputs.setdefault(i, []).extend(choice.get("token_ids") or [])
+                    finish[i] = choice.get("finish_reason") or finish.get(i)
                 if not asked_ids:
-                    answer.pop("prompt_token_ids", None)
-                    for choice in answer["choices"]:
-                        choice.pop("token_ids", None)
-                self._reply(200, response.headers.items(), json.dumps(answer).encode())
-
-        def _stream(self, response, body: dict, asked_ids: bool, arrived: float):
-            self.send_response(200)
-            for k, v in response.headers.items():
-                if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                    self.send_header(k, v)
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            response_id, prompt_ids = "", None
-            outputs: dict[int, list[int]] = {}
-            finish: dict[int, str | None] = {}
-            for line in response:
-                text = line.decode().strip()
-                if text.startswith("data: ") and text != "data: [DONE]":
-                    chunk = json.loads(text[6:])
-                    response_id = chunk.get("id", response_id)
-                    prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+                    chunk.pop("prompt_token_ids", None)
                     for choice in chunk.get("choices", []):
-                        i = choice.get("index", 0)
-                        outputs.setdefault(i, []).extend(choice.get("token_ids") or [])
-                        finish[i] = choice.get("finish_reason") or finish.get(i)
-                    if not asked_ids:
-                        chunk.pop("prompt_token_ids", None)
-                        for choice in chunk.get("choices", []):
-                            choice.pop("token_ids", None)
-                        line = f"data: {json.dumps(chunk)}\n".encode()
-                self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
-            self.wfile.write(b"0\r\n\r\n")
-            self._log(body, response_id, prompt_ids, [(i, ids, finish.get(i)) for i, ids in outputs.items()], arrived)
+                        choice.pop("token_ids", None)
+                    line = f"data: {json.dumps(chunk)}\n".encode()
+            self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self._log(body, response_id, prompt_ids, [(i, ids, finish.get(i)) for i, ids in outputs.items()], arrived)
 
-        def _log(self, body: dict, response_id: str, prompt_ids, choices, arrived: float):
-            if prompt_ids is None or any(ids is None for _, ids, _ in choices):
-                raise RuntimeError(f"{upstream} returned no token ids for {self.path} (vLLM without return_token_ids?)")
-            tap.add(_session_of(self.headers, body, response_id), response_id, prompt_ids, choices, arrived,
-                    _record_metadata(body))
+    def _log(self, body: dict, response_id: str, prompt_ids, choices, arrived: float):
+        if prompt_ids is None or any(ids is None for _, ids, _ in choices):
+            raise RuntimeError(f"{self.upstream} returned no token ids for {self.path} (vLLM without return_token_ids?)")
+        self.tap.add(_session_of(self.headers, body, response_id), response_id, prompt_ids, choices, arrived,
+                     _record_metadata(body))
 
-    return Handler
+
+def make_handler(upstream: str, tap: TrajectoryTap, timeout: float = 600.0) -> type[TapHandler]:
+    return type("BoundTapHandler", (TapHandler,), {"upstream": upstream.rstrip("/"), "tap": tap, "upstream_timeout": timeout})
 
 
 class LogTapProxy:

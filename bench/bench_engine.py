@@ -55,6 +55,7 @@ def part_serve(args, tmp: Path) -> dict:
     from eval import engine_testbed
     from configs.schema import DrafterConfig
     from data.chat_masks import load_tokenizer
+    from data.generation import stop_token_ids
     from drafters.checkpoint import save_drafter
     from drafters.draft_config import build_draft_config
     from drafters.model import DFlashDrafter
@@ -65,14 +66,17 @@ def part_serve(args, tmp: Path) -> dict:
     torch.manual_seed(0)
     untrained = save_drafter(DFlashDrafter(build_draft_config(DrafterConfig(num_layers=1, block_size=16),
                                                               AutoConfig.from_pretrained(smol), 16)), tmp / "untrained")
-    traces = {"code": heldout_traces("code", load_tokenizer(smol), max_prompts=args.prompts,
-                                     max_new_tokens=args.max_new_tokens, seed=0)}
-    result = {"smollm2_untrained_drafter": serve_pair(smol, Path(untrained), traces, args.max_new_tokens, [2], args.dtype)}
+    tokenizer = load_tokenizer(smol)
+    stop_ids = stop_token_ids(smol, tokenizer)
+    traces = {"code": heldout_traces("code", tokenizer, max_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                                     seed=0)}
+    result = {"smollm2_untrained_drafter": serve_pair(smol, Path(untrained), traces, args.max_new_tokens, stop_ids,
+                                                      args.dtype)}
     if args.drafter:
         from drafters.checkpoint import find_drafter_folder
 
         result["smollm2_trained_drafter"] = serve_pair(smol, find_drafter_folder(args.drafter), traces,
-                                                       args.max_new_tokens, [2], args.dtype)
+                                                       args.max_new_tokens, stop_ids, args.dtype)
     tiny = engine_testbed.build(tmp / "tiny")
     tiny_traces = {"agentic": agentic_traces([str(tiny["log"])], engine_testbed.VOCAB, max_prompts=3,
                                              max_new_tokens=engine_testbed.NEW, quarantine_path=tmp / "q.jsonl")}

@@ -64,7 +64,7 @@ class FrozenTargetHead(nn.Module):
         config = json.loads((folder / "config.json").read_text())
         text = config.get("text_config", config)
         tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
-        shard_of = tensor_locations(folder)
+        shard_of = _tensor_locations(folder)
         embed_name = _find(shard_of, EMBED_NAMES, "embed_tokens.weight", folder)
         head_name = None
         if not tie:
@@ -73,12 +73,12 @@ class FrozenTargetHead(nn.Module):
             except KeyError:
                 if tie is False:
                     raise
-        embed = read_tensor(folder / shard_of[embed_name], embed_name, dtype, device)
-        head = read_tensor(folder / shard_of[head_name], head_name, dtype, device) if head_name else None
+        embed = _read(folder / shard_of[embed_name], embed_name, dtype, device)
+        head = _read(folder / shard_of[head_name], head_name, dtype, device) if head_name else None
         return cls(embed, head)
 
 
-def tensor_locations(folder: Path) -> dict[str, str]:
+def _tensor_locations(folder: Path) -> dict[str, str]:
     """tensor name -> file name, from the shard index or the single model.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -100,7 +100,7 @@ def _find(shard_of: dict[str, str], names: tuple[str, ...], suffix: str, folder:
     raise KeyError(f"{folder}: no unique tensor named like {names[0]!r} (candidates: {matches[:5]})")
 
 
-def read_tensor(path: Path, name: str, dtype, device) -> torch.Tensor:
+def _read(path: Path, name: str, dtype, device) -> torch.Tensor:
     # safetensors names devices its own way ("cpu:0" is refused): read on the CPU, then move.
     with safe_open(path, framework="pt", device="cpu") as f:
         tensor = f.get_tensor(name)

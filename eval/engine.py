@@ -334,7 +334,7 @@ def serving_check(export_dir: str | Path, config, *, engine: Engine | None = Non
     own = engine is None
     if own:
         kwargs = dict(engine_kwargs or {})
-        kwargs.setdefault("dtype", "float32" if settings.dtype in ("float32", "fp32") else "bfloat16")
+        kwargs.setdefault("dtype", dtype_name(torch_dtype(settings.dtype)))
         engine = InProcessEngine(target_path, export_dir, **kwargs)
     try:
         runs = run_traces(engine, trace_sets, settings.max_new_tokens, stop_ids, 0.0, settings.seed, log)

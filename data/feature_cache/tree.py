@@ -49,6 +49,68 @@ class TreeCaptureStats:
     strategy: str = ""
 
 
+class _CroppedPath:
+    """One KV cache, cropped back to each edge's start: a DFS step only returns to an ancestor, whose
+    tokens are a prefix of the cache, so memory is one path's KV."""
+
+    def __init__(self, make_cache, rerun):
+        self.make_cache, self.rerun = make_cache, rerun
+        self.cache = None
+        self.cached = 0  # the cache holds the tokens of the path's first `cached` edges
+
+    def pop(self, depth: int) -> None:
+        self.cached = min(self.cached, depth)
+
+    def push_skipped(self) -> None:
+        pass
+
+    def cache_for(self, path: list):
+        if self.cache is None:
+            self.cache, self.cached = self.make_cache(), 0
+        last = path[self.cached - 1] if self.cached else None
+        crop(self.cache, last.start + len(last.tokens) if last else 0)
+        if self.cached < len(path):  # the KV of ancestors that were skipped
+            self.rerun(path[self.cached:], self.cache)
+        return self.cache
+
+    def push_computed(self, edge, cache, depth: int) -> None:
+        self.cached = depth
+
+
+class _CopiedPath:
+    """A deep-copied KV snapshot per non-leaf edge on the DFS path (O(depth) caches), for caches that
+    cannot be cropped, e.g. sliding-window layers."""
+
+    def __init__(self, make_cache, rerun):
+        self.make_cache, self.rerun = make_cache, rerun
+        self.snapshots: list = []  # the cache after path[i]; None for leaves and skipped edges
+
+    def pop(self, depth: int) -> None:
+        self.snapshots.pop()
+
+    def push_skipped(self) -> None:
+        self.snapshots.append(None)
+
+    def cache_for(self, path: list):
+        deepest = max((i for i, s in enumerate(self.snapshots) if s is not None), default=-1)
+        cache = copy.deepcopy(self.snapshots[deepest]) if deepest >= 0 else self.make_cache()
+        if deepest < len(path) - 1:  # the KV of ancestors that were skipped
+            self.rerun(path[deepest + 1:], cache)
+            self.snapshots[-1] = copy.deepcopy(cache)  # the parent's snapshot: its other children need no rebuild
+        return cache
+
+    def push_computed(self, edge, cache, depth: int) -> None:
+        self.snapshots.append(None if edge.is_leaf else cache)
+
+
+def _use_crop(strategy: str, make_cache) -> bool:
+    if strategy != "auto":
+        return strategy == "crop"
+    probe = make_cache()
+    # A sliding-window layer only keeps the last W positions: it cannot be cropped back once full.
+    return bool(getattr(probe, "is_croppable", True)) and not any(getattr(probe, "is_sliding", []) or [])
+
+
 def iter_tree_features(
     tree,
     capture,
@@ -67,11 +129,9 @@ def iter_tree_features(
     whose ancestors were skipped re-runs them once, without output, to rebuild its cache
     (``stats.tokens_context``).
 
-    ``strategy``: ``"crop"`` keeps ONE cache and crops it back to the edge's start (a DFS step only
-    returns to an ancestor, whose tokens are a prefix of the cache), so memory is one path's KV;
-    ``"copy"`` keeps a deep-copied snapshot per non-leaf edge on the current DFS path (O(depth) caches;
-    for caches that cannot be cropped, e.g. sliding-window layers); ``"auto"``: crop unless the cache
-    has sliding-window layers or says it is not ``is_croppable``.
+    ``strategy``: ``"crop"`` keeps one cache cropped back to each edge's start (:class:`_CroppedPath`);
+    ``"copy"`` keeps a snapshot per non-leaf edge on the path (:class:`_CopiedPath`); ``"auto"``: crop
+    unless the cache has sliding-window layers or says it is not ``is_croppable``.
     """
     if strategy not in ("auto", "crop", "copy"):
         raise ValueError(f"unknown strategy {strategy!r}")
@@ -92,59 +152,38 @@ def iter_tree_features(
                 fin.append(o.final_hidden[0])
         return (torch.cat(sel), torch.cat(fin)) if keep else None
 
-    def tokens_of(edges) -> np.ndarray:
-        return np.concatenate([np.asarray(a.tokens) for a in edges])
+    def rerun(edges: list, cache) -> None:
+        tokens = np.concatenate([np.asarray(a.tokens) for a in edges])
+        run(tokens, edges[0].start, cache, keep=False)
+        stats.tokens_context += len(tokens)
 
-    anc: list = []  # DFS ancestor stack (TreeEdge): the current root-to-edge path
-    snaps: list = []  # copy strategy: the cache after anc[i] (None for leaves and skipped edges)
-    cache = None  # crop strategy: holds the tokens of anc[:cached]
-    cached = 0
-    use_crop: bool | None = None
+    cached_path = None  # chosen at the first computed edge: a fully resumed tree builds no cache
+    path: list = []  # DFS ancestor stack (TreeEdge): the current root-to-edge path
     for e in tree.iter_edges():
-        while anc and anc[-1].edge_id != e.parent_id:
-            anc.pop()
-            snaps.pop()
-            cached = min(cached, len(anc))
-        if e.parent_id != -1 and not anc:
+        while path and path[-1].edge_id != e.parent_id:
+            path.pop()
+            if cached_path is not None:
+                cached_path.pop(len(path))
+        if e.parent_id != -1 and not path:
             raise ValueError(f"edge {e.edge_id}: parent {e.parent_id} is not on the DFS path")
         if compute is not None and not compute(e.edge_id):
-            anc.append(e)
-            snaps.append(None)
+            path.append(e)
+            if cached_path is not None:
+                cached_path.push_skipped()
             continue
-        if use_crop is None:
-            probe = make_cache()
-            # A sliding-window layer only keeps the last W positions: it cannot be cropped back once full.
-            croppable = bool(getattr(probe, "is_croppable", True)) and not any(getattr(probe, "is_sliding", []) or [])
-            use_crop = strategy == "crop" or (strategy == "auto" and croppable)
+        if cached_path is None:
+            use_crop = _use_crop(strategy, make_cache)
             stats.strategy = "crop" if use_crop else "copy"
-            del probe
-        if use_crop:
-            if cache is None:
-                cache, cached = make_cache(), 0
-            crop(cache, (anc[cached - 1].start + len(anc[cached - 1].tokens)) if cached else 0)
-            if cached < len(anc):  # the KV of ancestors that were skipped
-                toks = tokens_of(anc[cached:])
-                run(toks, anc[cached].start, cache, keep=False)
-                stats.tokens_context += len(toks)
-            work = cache
-        else:
-            deepest = max((i for i, s in enumerate(snaps) if s is not None), default=-1)
-            work = copy.deepcopy(snaps[deepest]) if deepest >= 0 else make_cache()
-            if deepest < len(anc) - 1:  # the KV of ancestors that were skipped
-                toks = tokens_of(anc[deepest + 1:])
-                run(toks, anc[deepest + 1].start, work, keep=False)
-                stats.tokens_context += len(toks)
-                snaps[-1] = copy.deepcopy(work)  # the parent's snapshot: its other children need no rebuild
+            cached_path = (_CroppedPath if use_crop else _CopiedPath)(make_cache, rerun)
+            for _ in path:
+                cached_path.push_skipped()
+        work = cached_path.cache_for(path)
         if work.get_seq_length() != e.start:
             raise RuntimeError(f"edge {e.edge_id}: KV cache holds {work.get_seq_length()} tokens, the edge starts at {e.start}")
         sel, fin = run(np.asarray(e.tokens), e.start, work, keep=True)
         stats.tokens_computed += len(e.tokens)
-        anc.append(e)
-        if use_crop:
-            cached = len(anc)
-            snaps.append(None)
-        else:
-            snaps.append(None if e.is_leaf else work)
+        path.append(e)
+        cached_path.push_computed(e, work, len(path))
         yield e, sel, fin
 
 

@@ -65,7 +65,7 @@ def rel_rms(a, b) -> float:
     return float(((a - b).float().pow(2).mean() / b.float().pow(2).mean().clamp_min(1e-30)).sqrt())
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, default=6)
     ap.add_argument("--min-len", type=int, default=128)
@@ -77,32 +77,16 @@ def main() -> None:
                     help="torch intra-op threads; 1 by default: on this shared 2-core box 2 threads ran 4-10x slower "
                          "whenever other processes were busy (0 = torch's default)")
     ap.add_argument("--workdir", default=None, help="where to write the caches (default: a temp dir, removed)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def measure_rows(capture, args, work: Path, vocab: int, hidden: int) -> dict:
+    """Bytes per token and capture speed of the bf16 and fp8 caches, and fp8's error against bf16."""
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from data.feature_cache import FeatureCacheReader, dequantize_fp8, quantize_fp8, write_feature_cache, write_tree_feature_cache
-    from data.prefix_tree import PrefixTree
-    from data.trajectories import load_trajectories, write_trajectories
-    from drafters.capture import HFCapture
-    from drafters.testbed import prepare_testbed_target
+    from data.feature_cache import FeatureCacheReader, dequantize_fp8, quantize_fp8, write_feature_cache
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    datasets.disable_progress_bars()
-    t_start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(prepare_testbed_target(), dtype=torch.bfloat16).eval()
-    capture = HFCapture(model, LAYER_IDS)
-    vocab, hidden = model.config.vocab_size, model.config.hidden_size
-    capture.capture(torch.randint(0, vocab, (1, 32)))  # warm-up
-    tmp = tempfile.TemporaryDirectory() if args.workdir is None else None
-    work = Path(args.workdir or tmp.name)
-    report: dict = {"target": "SmolLM2-135M-Instruct (bf16)", "layer_ids": LAYER_IDS, "hidden_size": hidden,
-                    "threads": torch.get_num_threads(), "load_avg_1m": round(os.getloadavg()[0], 2)}
-
-    # -- rows: bytes per token and capture speed, bf16 vs fp8 ------------------------------------------
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(args.min_len, args.max_len + 1, args.seqs)]
     ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows]})
@@ -144,9 +128,18 @@ def main() -> None:
         fp8_rel_rms_err_final=round(float(np.mean(err_final)), 4),
         fp8_rel_rms_err_if_one_scale_per_token=[round(float(np.mean(e)), 4) for e in err_one_scale],
     )
-    report["rows"] = rows_report
+    return rows_report
 
-    # -- tree: simulated sessions through the trajectory logs ------------------------------------------
+
+def measure_tree(capture, args, work: Path, vocab: int) -> dict:
+    """Simulated sessions through the trajectory logs: tree capture against per-request capture."""
+    import datasets
+    import torch
+
+    from data.feature_cache import FeatureCacheReader, write_feature_cache, write_tree_feature_cache
+    from data.prefix_tree import PrefixTree
+    from data.trajectories import load_trajectories, write_trajectories
+
     records = simulate_sessions(args.sessions, args.turns, vocab)
     log = work / "sessions.jsonl.gz"
     write_trajectories(records, log)
@@ -175,7 +168,7 @@ def main() -> None:
             t_sel, t_fin = treader.get_path(treader.leaf_edge(path.leaf_id), 0, n)
             r_sel, r_fin = rreader.get(i)
             diffs.append((rel_rms(t_sel, r_sel), rel_rms(t_fin, r_fin)))
-    report["tree"] = {
+    return {
         "records_read": summary.accepted,
         "sessions": len({r.session_id for r in loaded}),
         "requests": stats.requests,
@@ -193,6 +186,32 @@ def main() -> None:
         "tree_vs_direct_rel_rms_selected_max": round(max(d[0] for d in diffs), 5),
         "tree_vs_direct_rel_rms_final_max": round(max(d[1] for d in diffs), 5),
     }
+
+
+def main() -> None:
+    args = parse_args()
+
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from drafters.capture import HFCapture
+    from drafters.testbed import prepare_testbed_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    datasets.disable_progress_bars()
+    t_start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(prepare_testbed_target(), dtype=torch.bfloat16).eval()
+    capture = HFCapture(model, LAYER_IDS)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    capture.capture(torch.randint(0, vocab, (1, 32)))  # warm-up
+    tmp = tempfile.TemporaryDirectory() if args.workdir is None else None
+    work = Path(args.workdir or tmp.name)
+    report: dict = {"target": "SmolLM2-135M-Instruct (bf16)", "layer_ids": LAYER_IDS, "hidden_size": hidden,
+                    "threads": torch.get_num_threads(), "load_avg_1m": round(os.getloadavg()[0], 2)}
+    report["rows"] = measure_rows(capture, args, work, vocab, hidden)
+    report["tree"] = measure_tree(capture, args, work, vocab)
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(report))
 

@@ -164,7 +164,7 @@ def through_training(records: list[TrajectoryRecord], work: Path, max_seq_len: i
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--turns", type=int, default=43)
@@ -174,23 +174,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where to write the logs (default: a temp dir, removed)")
     ap.add_argument("--through-training", action="store_true", help="run stage-2 training on the logs (see above)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    t0 = time.perf_counter()
-    records = simulate_agentic_traffic(
-        args.sessions, turns=args.turns, system_tokens=args.system_tokens, vocab=args.vocab, seed=args.seed
-    )
-    t_sim = time.perf_counter() - t0
 
-    tmp = tempfile.TemporaryDirectory() if args.workdir is None else None
-    work = Path(args.workdir or tmp.name)
-    work.mkdir(parents=True, exist_ok=True)
-    if args.through_training:
-        result = through_training(records, work, args.max_seq_len, args.vocab)
-        if tmp is not None:
-            tmp.cleanup()
-        print(json.dumps(result))
-        return
+def write_logs(records, work: Path) -> tuple[Path, Path, dict]:
+    """The same traffic as JSONL.gz and as Parquet, and how long each write took."""
     gz, pq_path = work / "traffic.jsonl.gz", work / "traffic.parquet"
     t0 = time.perf_counter()
     write_trajectories(records, gz, compresslevel=1)
@@ -198,11 +186,15 @@ def main() -> None:
     t0 = time.perf_counter()
     write_trajectories(records, pq_path, row_group_size=128)
     t_write_pq = time.perf_counter() - t0
-    n_sub_sessions = len({r.session_id for r in records if "-sub" in r.session_id})
-    del records
+    return gz, pq_path, {"write_jsonl_gz_s": round(t_write_gz, 2), "write_parquet_s": round(t_write_pq, 2)}
 
-    # Ingest JSONL.gz streaming into the tree; time reading+validation and insertion separately.
-    reader = TrajectoryReader([gz], args.vocab, quarantine_path=work / "quarantine.jsonl")
+
+def ingest_into_tree(gz: Path, vocab: int, work: Path):
+    """Stream JSONL.gz into a prefix tree, timing reading+validation and insertion separately.
+
+    Returns the tree, the reader, the two times, and the share of prompt tokens a prefix cache of
+    unbounded capacity would have served."""
+    reader = TrajectoryReader([gz], vocab, quarantine_path=work / "quarantine.jsonl")
     tree = PrefixTree()
     t_read = t_build = 0.0
     prompt_tokens = uncached_prompt = 0
@@ -222,22 +214,48 @@ def main() -> None:
         prompt_tokens += rec.input_ids.size
         uncached_prompt += max(0, tree.unique_tokens - before - rec.output_ids.size)
     reader.summary.check()
+    return tree, reader, t_read, t_build, 1 - uncached_prompt / prompt_tokens
+
+
+def read_parquet(pq_path: Path, vocab: int) -> tuple[int, float]:
+    """Parquet ingestion (read + validate only): records read and seconds."""
+    t0 = time.perf_counter()
+    pq_reader = TrajectoryReader([pq_path], vocab)
+    n_pq = sum(1 for _ in pq_reader)
+    pq_reader.summary.check()
+    return n_pq, time.perf_counter() - t0
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    records = simulate_agentic_traffic(
+        args.sessions, turns=args.turns, system_tokens=args.system_tokens, vocab=args.vocab, seed=args.seed
+    )
+    t_sim = time.perf_counter() - t0
+
+    tmp = tempfile.TemporaryDirectory() if args.workdir is None else None
+    work = Path(args.workdir or tmp.name)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.through_training:
+        result = through_training(records, work, args.max_seq_len, args.vocab)
+        if tmp is not None:
+            tmp.cleanup()
+        print(json.dumps(result))
+        return
+    gz, pq_path, write_times = write_logs(records, work)
+    n_sub_sessions = len({r.session_id for r in records if "-sub" in r.session_id})
+    del records
+
+    tree, reader, t_read, t_build, prompt_prefix_reuse = ingest_into_tree(gz, args.vocab, work)
     t0 = time.perf_counter()
     st = tree.stats()
     t_compact = time.perf_counter() - t0
-
     t0 = time.perf_counter()
     windows = list(tree.iter_paths(args.max_seq_len))
     t_paths = time.perf_counter() - t0
     window_tokens = sum(len(w.input_ids) for w in windows)
-    loss_tokens = sum(int(w.loss_mask.sum()) for w in windows)
-
-    # Parquet ingestion throughput (read + validate only).
-    t0 = time.perf_counter()
-    pq_reader = TrajectoryReader([pq_path], args.vocab)
-    n_pq = sum(1 for _ in pq_reader)
-    t_read_pq = time.perf_counter() - t0
-    pq_reader.summary.check()
+    n_pq, t_read_pq = read_parquet(pq_path, args.vocab)
     sizes = {"jsonl_gz_mb": round(gz.stat().st_size / 2**20, 1), "parquet_mb": round(pq_path.stat().st_size / 2**20, 1)}
     if tmp is not None:
         tmp.cleanup()
@@ -256,18 +274,17 @@ def main() -> None:
         "leaves": st.leaves,
         "edges": st.edges,
         "max_path_len": st.max_path_len,
-        "measured_prompt_prefix_reuse": round(1 - uncached_prompt / prompt_tokens, 4),
+        "measured_prompt_prefix_reuse": round(prompt_prefix_reuse, 4),
         "per_path_tokens_no_kv_reuse": st.path_tokens,
         "max_seq_len": args.max_seq_len,
         "window_rows": len(windows),
         "window_tokens": window_tokens,
         "logged_over_window_tokens": round(logged / window_tokens, 2),
-        "loss_tokens": loss_tokens,
+        "loss_tokens": sum(int(w.loss_mask.sum()) for w in windows),
         "unique_generated_tokens": st.unique_generated_tokens,
         "goal_20x_met": st.dedup_ratio >= 20 and logged / window_tokens >= 20,
         "simulate_s": round(t_sim, 2),
-        "write_jsonl_gz_s": round(t_write_gz, 2),
-        "write_parquet_s": round(t_write_pq, 2),
+        **write_times,
         "ingest_jsonl_gz_s": round(t_read, 2),
         "ingest_jsonl_gz_tokens_per_s": round(logged / t_read),
         "ingest_parquet_s": round(t_read_pq, 2),

@@ -222,8 +222,9 @@ def read_parquet(pq_path: Path, vocab: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     pq_reader = TrajectoryReader([pq_path], vocab)
     n_pq = sum(1 for _ in pq_reader)
+    seconds = time.perf_counter() - t0
     pq_reader.summary.check()
-    return n_pq, time.perf_counter() - t0
+    return n_pq, seconds
 
 
 def main() -> None:

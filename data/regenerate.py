@@ -187,11 +187,10 @@ def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_
     if backend == "vllm":
         return _vllm_generator(target_path, tokenizer, torch_dtype, max_new_tokens, temperature, top_p, top_k, seed,
                                trust_remote_code)
-    from transformers import AutoModelForCausalLM
-
     from drafters.capture import HFCapture
+    from drafters.target_loading import load_target_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype, trust_remote_code=trust_remote_code).eval()
+    model = load_target_model(target_path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     generator = BatchGenerator(model, tokenizer, temperature, seed, top_p=top_p, top_k=top_k)
     tap = HFCapture(model, feature_layers) if feature_layers else None
 

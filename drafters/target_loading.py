@@ -47,8 +47,11 @@ def load_target_tokenizer(path: str | Path, trust_remote_code: bool = False):
 def load_target_model(path: str | Path, *, dtype, device_map=None, trust_remote_code: bool = False,
                       offload_folder: str | Path | None = None):
     """The frozen target: eval mode, no gradients; `device_map` ("auto", a device, a dict) shards it, and
-    modules mapped to "disk" are paged in from `offload_folder`."""
+    modules mapped to "disk" are paged in from `offload_folder`. On the CPU it attends with grouped-query
+    SDPA (drafters/target_attention.py)."""
     from transformers import AutoModelForCausalLM
+
+    from drafters.target_attention import use_on_cpu
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if device_map is not None:
@@ -56,4 +59,4 @@ def load_target_model(path: str | Path, *, dtype, device_map=None, trust_remote_
     if offload_folder is not None:
         kwargs["offload_folder"] = str(offload_folder)
     model = _load("model", path, trust_remote_code, lambda: AutoModelForCausalLM.from_pretrained(str(path), **kwargs))
-    return model.eval().requires_grad_(False)
+    return use_on_cpu(model).eval().requires_grad_(False)

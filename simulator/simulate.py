@@ -136,9 +136,9 @@ def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bo
     if tokenizer is None:
         tokenizer = load_tokenizer(target)
     if model is None:
-        from transformers import AutoModelForCausalLM
+        from drafters.target_loading import load_target_model
 
-        model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch_dtype(config.dtype)).eval()
+        model = load_target_model(target, dtype=torch_dtype(config.dtype))
     max_positions = getattr(model.config, "max_position_embeddings", None)
     longest = config.context_cap + max(config.tool_tokens, config.summary_tokens) + 512
     if max_positions is not None and longest > max_positions:

@@ -1,0 +1,83 @@
+"""Batched generation with transformers' `sdpa` against grouped-query SDPA (drafters/target_attention.py).
+
+Regeneration's own work, side by side: the testbed mixture's prompts (configs/testbed.yaml, real lengths, sorted
+by length as `regenerate` sorts them), batches of `--batch-size` left-padded prompts, greedy, the drafter's
+target layers kept from every forward. Each batch runs once per attention, alternating which goes first, so both
+see the same load.
+
+    python -m bench.bench_target_attention --num-prompts 64 --batch-size 32 --max-new-tokens 192
+
+Prints one JSON line: per attention, generation seconds and response columns per second, and whether the two
+gave the same tokens and features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def _batches(num_prompts: int, batch_size: int, tokenizer) -> list[list[list[int]]]:
+    from configs.schema import load_config
+    from data.chat_masks import prompt_ids
+    from data.mixture import mixture_prompts
+
+    config = load_config("configs/testbed.yaml", [f"data.mixture.num_samples={num_prompts}"])
+    ids = sorted((prompt_ids(tokenizer, [dict(m) for m in p.messages if m["role"] != "assistant"])
+                  for p in mixture_prompts(config)), key=len)
+    ids = [p for p in ids if len(p) <= config.data.mixture.max_prompt_tokens]
+    return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from data.chat_masks import load_tokenizer
+    from data.generation import BatchGenerator
+    from drafters.capture import HFCapture
+    from drafters.draft_config import build_target_layer_ids
+    from drafters.target_loading import load_target_model
+    from drafters.testbed import prepare_testbed_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = prepare_testbed_target()
+    tokenizer = load_tokenizer(target)
+    models = {"sdpa": load_target_model(target, dtype=torch.float32), "grouped": load_target_model(target, dtype=torch.float32)}
+    models["sdpa"].set_attn_implementation("sdpa")  # transformers' own: key/value heads repeated under a mask
+    layers = build_target_layer_ids(models["grouped"].config.num_hidden_layers, 5)
+    seconds = {name: 0.0 for name in models}
+    columns, same_tokens, feature_diff = 0, True, 0.0
+    for i, batch in enumerate(_batches(args.num_prompts, args.batch_size, tokenizer)):
+        outputs = {}
+        for name in (list(models) if i % 2 == 0 else list(models)[::-1]):
+            generator, tap = BatchGenerator(models[name], tokenizer, 0.0, 0), HFCapture(models[name], layers)
+            started = time.perf_counter()
+            outputs[name] = generator.generate_with_features(batch, args.max_new_tokens, [str(i)] * len(batch), tap)
+            seconds[name] += time.perf_counter() - started
+            tap.remove()
+        (tokens_a, features_a), (tokens_b, features_b) = outputs["sdpa"], outputs["grouped"]
+        same_tokens &= tokens_a == tokens_b
+        columns += len(batch) * len(tokens_a[0])
+        if features_a.selected.shape == features_b.selected.shape:
+            feature_diff = max(feature_diff, (features_a.selected - features_b.selected).abs().max().item())
+    result = {"bench": "target_attention", "torch_threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
+              "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "columns": columns,
+              "runs": {name: {"generation_seconds": round(s, 1), "columns_per_second": round(columns / s, 1)}
+                       for name, s in seconds.items()},
+              "speedup": round(seconds["sdpa"] / seconds["grouped"], 2),
+              "same_tokens": same_tokens, "max_feature_difference": feature_diff}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Grouped-query SDPA for a target on the CPU (drafters/target_attention.py): the same numbers as transformers'
+`sdpa`, which repeats the key/value heads under a padding mask, on real targets and left-padded batches."""
+
+import pytest
+import torch
+
+from data.chat_masks import load_tokenizer, prompt_ids
+from data.generation import BatchGenerator
+from drafters.target_attention import ATTENTION
+from drafters.target_loading import load_target_model
+
+PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 17599, 30, 2], [1, 4093, 198, 504], [1, 4093, 198, 21131, 282, 1029, 314]]
+
+
+def _padded(prompts, pad_id=0):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _pair(folder, **kwargs):
+    grouped = load_target_model(folder, dtype=torch.float32, **kwargs)
+    library = load_target_model(folder, dtype=torch.float32, **kwargs)
+    library.set_attn_implementation("sdpa")
+    return grouped, library
+
+
+def test_cpu_target_attends_grouped_with_the_library_numbers(testbed_target):
+    grouped, library = _pair(testbed_target)
+    assert grouped.config._attn_implementation == ATTENTION
+    assert grouped.config.num_key_value_heads < grouped.config.num_attention_heads  # SmolLM2: 3 for 9
+    ids, mask = _padded(PROMPTS)
+    with torch.inference_mode():
+        torch.testing.assert_close(grouped(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                                   library(input_ids=ids, attention_mask=mask).logits[mask.bool()], rtol=0, atol=1e-5)
+    tokenizer = load_tokenizer(testbed_target)
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in
+               ("Write a Python function that merges two sorted lists.", "Why is the sky blue?", "Hi")]
+    new_tokens = [BatchGenerator(model, tokenizer, 0.0, 0).generate(prompts, 48, ["a", "b", "c"])
+                  for model in (grouped, library)]
+    assert new_tokens[0] == new_tokens[1]
+    assert len({len(p) for p in prompts}) == 3 and max(map(len, new_tokens[0])) == 48
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_tiny_targets_attend_grouped_with_the_library_numbers(kind, tmp_path):
+    """Two key/value heads for four query heads (Llama), and equal heads with a wider query than value head (MLA)."""
+    from drafters.testbed import save_tiny_target
+
+    grouped, library = _pair(save_tiny_target(kind, tmp_path / kind))
+    assert grouped.config._attn_implementation == ATTENTION
+    ids, mask = _padded(PROMPTS)
+    with torch.inference_mode():
+        torch.testing.assert_close(grouped(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                                   library(input_ids=ids, attention_mask=mask).logits[mask.bool()], rtol=0, atol=1e-5)

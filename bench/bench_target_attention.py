@@ -1,9 +1,9 @@
 """Batched generation with transformers' `sdpa` against grouped-query SDPA (drafters/target_attention.py).
 
 Regeneration's own work, side by side: the testbed mixture's prompts (configs/testbed.yaml, real lengths, sorted
-by length as `regenerate` sorts them), batches of `--batch-size` left-padded prompts, greedy, the drafter's
-target layers kept from every forward. Each batch runs once per attention, alternating which goes first, so both
-see the same load.
+by length as `regenerate` sorts them), the target in `--dtype` (fp32 by default), batches of `--batch-size`
+left-padded prompts, greedy, the drafter's target layers kept from every forward. Each batch runs once per
+attention, alternating which goes first, so both see the same load.
 
     python -m bench.bench_target_attention --num-prompts 64 --batch-size 32 --max-new-tokens 192
 
@@ -35,11 +35,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--dtype", default="float32", help="the target's dtype: float32 or bfloat16")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
 
     import torch
 
+    from common import dtypes
     from data.chat_masks import load_tokenizer
     from data.generation import BatchGenerator
     from drafters.capture import HFCapture
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     target = prepare_testbed_target()
     tokenizer = load_tokenizer(target)
-    models = {"sdpa": load_target_model(target, dtype=torch.float32), "grouped": load_target_model(target, dtype=torch.float32)}
+    dtype = dtypes.torch_dtype(args.dtype)
+    models = {"sdpa": load_target_model(target, dtype=dtype), "grouped": load_target_model(target, dtype=dtype)}
     models["sdpa"].set_attn_implementation("sdpa")  # transformers' own: key/value heads repeated under a mask
     layers = build_target_layer_ids(models["grouped"].config.num_hidden_layers, 5)
     seconds = {name: 0.0 for name in models}
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         columns += len(batch) * len(tokens_a[0])
         if features_a.selected.shape == features_b.selected.shape:
             feature_diff = max(feature_diff, (features_a.selected - features_b.selected).abs().max().item())
-    result = {"bench": "target_attention", "torch_threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
+    result = {"bench": "target_attention", "dtype": str(dtype), "torch_threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "columns": columns,
               "runs": {name: {"generation_seconds": round(s, 1), "columns_per_second": round(columns / s, 1)}
                        for name, s in seconds.items()},

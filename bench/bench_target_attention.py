@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
         (tokens_a, features_a), (tokens_b, features_b) = outputs["sdpa"], outputs["grouped"]
         same_tokens &= tokens_a == tokens_b
         columns += len(batch) * len(tokens_a[0])
-        if features_a.selected.shape == features_b.selected.shape:
+        if features_a.selected.shape != features_b.selected.shape:
+            feature_diff = None  # different lengths: same_tokens is False, and no difference is defined
+        elif feature_diff is not None:
             feature_diff = max(feature_diff, (features_a.selected - features_b.selected).abs().max().item())
     result = {"bench": "target_attention", "dtype": str(dtype), "torch_threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "columns": columns,

@@ -22,8 +22,10 @@ def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = query.shape[1] // key.shape[1]
-    if attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
-        # transformers already passes enable_gqa without a mask; position biases and paged caches are its own.
+    if (query.device.type != "cpu" or attention_mask is None or groups == 1
+            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None):
+        # A target moved to an accelerator after loading gets the library's masked path; without a mask the
+        # library already passes enable_gqa; position biases and paged caches are its own.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     output = torch.nn.functional.scaled_dot_product_attention(

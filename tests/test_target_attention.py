@@ -19,6 +19,21 @@ def _padded(prompts, pad_id=0):
     return ids, mask
 
 
+@pytest.fixture
+def grouped_masked_calls(monkeypatch):
+    """Counts torch SDPA calls that got a padding mask and enable_gqa=True: proof the grouped branch ran."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        if kwargs.get("enable_gqa") and kwargs.get("attn_mask") is not None:
+            calls.append(args[0].shape)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    return calls
+
+
 def _pair(folder, **kwargs):
     grouped = load_target_model(folder, dtype=torch.float32, **kwargs)
     library = load_target_model(folder, dtype=torch.float32, **kwargs)
@@ -26,14 +41,17 @@ def _pair(folder, **kwargs):
     return grouped, library
 
 
-def test_cpu_target_attends_grouped_with_the_library_numbers(testbed_target):
+def test_cpu_target_attends_grouped_with_the_library_numbers(testbed_target, grouped_masked_calls):
     grouped, library = _pair(testbed_target)
     assert grouped.config._attn_implementation == ATTENTION
     assert grouped.config.num_key_value_heads < grouped.config.num_attention_heads  # SmolLM2: 3 for 9
     ids, mask = _padded(PROMPTS)
     with torch.inference_mode():
-        torch.testing.assert_close(grouped(input_ids=ids, attention_mask=mask).logits[mask.bool()],
-                                   library(input_ids=ids, attention_mask=mask).logits[mask.bool()], rtol=0, atol=1e-5)
+        expected = library(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        assert grouped_masked_calls == []  # the library repeats the key/value heads under a mask
+        torch.testing.assert_close(grouped(input_ids=ids, attention_mask=mask).logits[mask.bool()], expected,
+                                   rtol=0, atol=1e-5)
+    assert len(grouped_masked_calls) == grouped.config.num_hidden_layers
     tokenizer = load_tokenizer(testbed_target)
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in
                ("Write a Python function that merges two sorted lists.", "Why is the sky blue?", "Hi")]
@@ -43,14 +61,17 @@ def test_cpu_target_attends_grouped_with_the_library_numbers(testbed_target):
     assert len({len(p) for p in prompts}) == 3 and max(map(len, new_tokens[0])) == 48
 
 
-@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
-def test_tiny_targets_attend_grouped_with_the_library_numbers(kind, tmp_path):
-    """Two key/value heads for four query heads (Llama), and equal heads with a wider query than value head (MLA)."""
+@pytest.mark.parametrize("kind, grouped_branch", [("llama", True), ("deepseek_v3", False)])
+def test_tiny_targets_with_the_library_numbers(kind, grouped_branch, tmp_path, grouped_masked_calls):
+    """Two key/value heads for four query heads (Llama: the grouped branch); MLA's keys and values already have a
+    head per query head, so DeepSeek-V3 is handed to the library's own path."""
     from drafters.testbed import save_tiny_target
 
     grouped, library = _pair(save_tiny_target(kind, tmp_path / kind))
     assert grouped.config._attn_implementation == ATTENTION
     ids, mask = _padded(PROMPTS)
     with torch.inference_mode():
-        torch.testing.assert_close(grouped(input_ids=ids, attention_mask=mask).logits[mask.bool()],
-                                   library(input_ids=ids, attention_mask=mask).logits[mask.bool()], rtol=0, atol=1e-5)
+        expected = library(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        torch.testing.assert_close(grouped(input_ids=ids, attention_mask=mask).logits[mask.bool()], expected,
+                                   rtol=0, atol=1e-5)
+    assert len(grouped_masked_calls) == (grouped.config.num_hidden_layers if grouped_branch else 0)

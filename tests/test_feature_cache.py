@@ -278,8 +278,9 @@ def test_row_tree_serves_every_row_as_its_own_capture_and_computes_each_prefix_o
         raw = {e.edge_id: (e, s, f) for e, s, f in iter_tree_features(tree, capture, chunk_tokens=16)}
         assert sum(computed) == tree.unique_tokens
         computed.clear()
+        # The chunking of the raw pass above: the same forwards, so the cache must hold their exact bf16 rounding.
         res = write_row_tree_feature_cache(ds, capture, tmp_path / "one", max_seq_len=max_len, dtype="bf16",
-                                           shard_tokens=40, progress=False)
+                                           shard_tokens=40, chunk_tokens=16, progress=False)
         assert sum(computed) == res.tokens_captured == res.cached_tokens == tree.unique_tokens
         assert res.row_tokens == sum(map(len, bounded)) and res.complete
         computed.clear()

@@ -18,15 +18,15 @@ import json
 import time
 
 
-def _batches(num_prompts: int, batch_size: int, tokenizer) -> list[list[list[int]]]:
-    from configs.schema import load_config
-    from data.chat_masks import prompt_ids
+def _batches(config, batch_size: int, tokenizer, context: int | None) -> list[list[list[int]]]:
+    """The mixture's prompts as regeneration screens and sorts them (data.regenerate's own rules)."""
     from data.mixture import mixture_prompts
+    from data.regenerate import _normalise, _screen_prompts
 
-    config = load_config("configs/testbed.yaml", [f"data.mixture.num_samples={num_prompts}"])
-    ids = sorted((prompt_ids(tokenizer, [dict(m) for m in p.messages if m["role"] != "assistant"])
-                  for p in mixture_prompts(config)), key=len)
-    ids = [p for p in ids if len(p) <= config.data.mixture.max_prompt_tokens]
+    mixture = config.data.mixture
+    valid, _ = _screen_prompts(_normalise(mixture_prompts(config)), tokenizer, mixture.max_prompt_tokens,
+                               mixture.max_new_tokens, context)
+    ids = sorted((p.ids for p in valid), key=len)
     return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
 
 
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from common import dtypes
+    from configs.schema import load_config
     from data.chat_masks import load_tokenizer
     from data.generation import BatchGenerator
     from drafters.capture import HFCapture
@@ -56,10 +57,14 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = dtypes.torch_dtype(args.dtype)
     models = {"sdpa": load_target_model(target, dtype=dtype), "grouped": load_target_model(target, dtype=dtype)}
     models["sdpa"].set_attn_implementation("sdpa")  # transformers' own: key/value heads repeated under a mask
-    layers = build_target_layer_ids(models["grouped"].config.num_hidden_layers, 5)
+    config = load_config("configs/testbed.yaml", [f"data.mixture.num_samples={args.num_prompts}",
+                                                  f"data.mixture.max_new_tokens={args.max_new_tokens}"])
+    target_config = models["grouped"].config
+    layers = build_target_layer_ids(target_config.num_hidden_layers, config.drafter.num_target_features)
     seconds = {name: 0.0 for name in models}
     columns, same_tokens, feature_diff = 0, True, 0.0
-    for i, batch in enumerate(_batches(args.num_prompts, args.batch_size, tokenizer)):
+    for i, batch in enumerate(_batches(config, args.batch_size, tokenizer,
+                                               getattr(target_config, "max_position_embeddings", None))):
         outputs = {}
         for name in (list(models) if i % 2 == 0 else list(models)[::-1]):
             generator, tap = BatchGenerator(models[name], tokenizer, 0.0, 0), HFCapture(models[name], layers)
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
             feature_diff = None  # different lengths: same_tokens is False, and no difference is defined
         elif feature_diff is not None:
             feature_diff = max(feature_diff, (features_a.selected - features_b.selected).abs().max().item())
-    result = {"bench": "target_attention", "dtype": str(dtype), "torch_threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
+    result = {"bench": "target_attention", "dtype": str(dtype), "torch_threads": torch.get_num_threads(),
+              "num_prompts": args.num_prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "columns": columns,
               "runs": {name: {"generation_seconds": round(s, 1), "columns_per_second": round(columns / s, 1)}
                        for name, s in seconds.items()},

@@ -13,7 +13,6 @@ The outputs are the same numbers: the kernel sees the same keys and values, only
 from __future__ import annotations
 
 ATTENTION = "sdpa_gqa"
-_registered = False
 
 
 def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -34,15 +33,12 @@ def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float 
 
 
 def register() -> str:
-    """Makes `ATTENTION` known to transformers (once per process), with `sdpa`'s mask builder; returns it."""
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    """Makes `ATTENTION` known to transformers, with `sdpa`'s mask builder (registering again is harmless)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-        AttentionInterface.register(ATTENTION, _sdpa_gqa_forward)
-        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-        _registered = True
+    AttentionInterface.register(ATTENTION, _sdpa_gqa_forward)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     return ATTENTION
 
 

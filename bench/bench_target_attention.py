@@ -21,12 +21,11 @@ import time
 def _batches(config, batch_size: int, tokenizer, context: int | None) -> list[list[list[int]]]:
     """The mixture's prompts as regeneration screens and sorts them (data.regenerate's own rules)."""
     from data.mixture import mixture_prompts
-    from data.regenerate import _normalise, _screen_prompts
+    from data.regenerate import regeneration_order
 
     mixture = config.data.mixture
-    valid, _ = _screen_prompts(_normalise(mixture_prompts(config)), tokenizer, mixture.max_prompt_tokens,
-                               mixture.max_new_tokens, context)
-    ids = sorted((p.ids for p in valid), key=len)
+    ids = regeneration_order(mixture_prompts(config), tokenizer, mixture.max_prompt_tokens, mixture.max_new_tokens,
+                             context)
     return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
 
 

@@ -316,6 +316,13 @@ def regenerate(
     return load_from_disk(str(out_dir / DATASET_DIR))
 
 
+def regeneration_order(prompts: Iterable[PromptLike | dict], tokenizer, max_prompt_tokens: int | None,
+                       max_new_tokens: int, context: int | None) -> list[list[int]]:
+    """The template ids of the prompts `regenerate` would generate, in the order it generates them (by length)."""
+    valid, _ = _screen_prompts(_normalise(prompts), tokenizer, max_prompt_tokens, max_new_tokens, context)
+    return [p.ids for p in sorted(valid, key=lambda p: (len(p.ids), p.index))]
+
+
 def _check_arguments(backend: str, batch_size: int, max_new_tokens: int, temperature: float) -> None:
     if backend not in ("hf", "vllm"):
         raise ValueError(f"backend must be 'hf' or 'vllm', got {backend!r}")

@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
         elif feature_diff is not None:
             feature_diff = max(feature_diff, (features_a.selected - features_b.selected).abs().max().item())
     result = {"bench": "target_attention", "dtype": str(dtype), "torch_threads": torch.get_num_threads(),
-              "num_prompts": args.num_prompts,
-              "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "columns": columns,
+              "num_prompts": args.num_prompts, "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
+              "columns": columns,
               "runs": {name: {"generation_seconds": round(s, 1), "columns_per_second": round(columns / s, 1)}
                        for name, s in seconds.items()},
               "speedup": round(seconds["sdpa"] / seconds["grouped"], 2),

@@ -299,7 +299,7 @@ def regenerate(
         done_ids = set(_read_shards(work, ["prompt_id"]).column("prompt_id").to_pylist())
         pending = [p for p in valid if p.id not in done_ids]
         if sort_by_length:
-            pending.sort(key=lambda p: (len(p.ids), p.index))
+            pending.sort(key=_generation_order)
         if pending:
             generate, eos_ids = _generator(backend, target_path, tokenizer, torch_dtype, max_new_tokens, temperature,
                                            top_p, top_k, seed, feature_layers, trust_remote_code)
@@ -320,7 +320,12 @@ def regeneration_order(prompts: Iterable[PromptLike | dict], tokenizer, max_prom
                        max_new_tokens: int, context: int | None) -> list[list[int]]:
     """The template ids of the prompts `regenerate` would generate, in the order it generates them (by length)."""
     valid, _ = _screen_prompts(_normalise(prompts), tokenizer, max_prompt_tokens, max_new_tokens, context)
-    return [p.ids for p in sorted(valid, key=lambda p: (len(p.ids), p.index))]
+    return [p.ids for p in sorted(valid, key=_generation_order)]
+
+
+def _generation_order(p: _Prompt) -> tuple[int, int]:
+    """Shortest prompts first (batches pad less), ties in the mixture's order."""
+    return len(p.ids), p.index
 
 
 def _check_arguments(backend: str, batch_size: int, max_new_tokens: int, temperature: float) -> None:

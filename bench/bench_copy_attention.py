@@ -37,8 +37,6 @@ def context_keys_values(drafter, features: torch.Tensor) -> list[tuple[torch.Ten
 @torch.inference_mode()
 def block_attention(drafter, embed, context_kv, tokens: torch.Tensor, a: int) -> list[torch.Tensor]:
     """Per draft layer, [heads, block, a] attention probabilities of the block anchored at a over the context."""
-    from drafters.model import apply_rope
-
     b = drafter.block_size
     x = embed(torch.tensor([[int(tokens[a])] + [drafter.mask_token_id] * (b - 1)])).to(context_kv[0][0].dtype)
     block_rope = drafter._rope(x, torch.arange(a, a + b)[None])
@@ -46,9 +44,8 @@ def block_attention(drafter, embed, context_kv, tokens: torch.Tensor, a: int) ->
     for layer, (k_all, v_all) in zip(drafter.layers, context_kv):
         attn = layer.self_attn
         k_ctx, v_ctx = k_all[:, :, :a], v_all[:, :, :a]
-        h = layer.input_layernorm(x)
-        q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(h), attn.n_heads)).transpose(1, 2), *block_rope)
-        k = torch.cat([k_ctx, attn.keys_values(h, block_rope)[0]], 2).repeat_interleave(attn.n_heads // attn.n_kv_heads, 1)
+        q, k, _ = attn.queries_keys_values(layer.input_layernorm(x), block_rope, k_ctx, v_ctx)
+        k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, 1)
         probs.append(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim), -1)[0, :, :, :a])
         x = layer(x, block_rope, k_ctx, v_ctx)
     return probs

@@ -133,6 +133,14 @@ class TrainConfig(Strict):
     # Keep slot k with probability w_k instead of weighting it: the same loss in expectation for fewer
     # vocabulary projections (44% of them at gamma 7, block 16); drafters/objective.py block_loss.
     sample_slots: bool = False
+    # Supervised copy heads, prompt lookup's lookup taught to attention: head m attends to the positions
+    # m + 1 after earlier occurrences of the anchor token whose continuation is right (drafters/objective.py
+    # copy_loss). The query is the last layer's slot m + 1 ("slot") or the first layer's slot 0 ("anchor").
+    # 0: off. Training only: the drafter and its checkpoint format are unchanged. It pays with a key/value
+    # head per query head (drafter.num_key_value_heads), not with the target's few (BENCHMARKS.md).
+    copy_heads: int = Field(0, ge=0)
+    copy_weight: float = Field(0.1, gt=0)
+    copy_query: Literal["anchor", "slot"] = "slot"
     # Anchor-slot rows per vocabulary projection chunk: bounds the live logits to chunk x vocab.
     logits_chunk: int = Field(1024, ge=1)
     precision: Literal["auto", "bf16", "fp32"] = "auto"

@@ -14,6 +14,8 @@ Two entry points share the same layers:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,13 +84,15 @@ class DraftAttention(nn.Module):
         v = self._heads(self.v_proj(h), self.n_kv_heads).transpose(1, 2)
         return apply_rope(k, *rope), v
 
+    def queries_keys_values(self, x, rope, prefix_k, prefix_v):
+        """x [B, Lq, H] block tokens -> queries [B, heads, Lq, d] and keys/values over [context ; block]."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(1, 2), *rope)
+        k, v = self.keys_values(x, rope)
+        return q, torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
+
     def forward(self, x, rope, prefix_k, prefix_v, mask=None):
         """x [B, Lq, H] block tokens at positions given by rope; prefix_k/v: the context's K/V."""
-        q = self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(1, 2)
-        q = apply_rope(q, *rope)
-        k, v = self.keys_values(x, rope)
-        k = torch.cat([prefix_k, k], dim=2)
-        v = torch.cat([prefix_v, v], dim=2)
+        q, k, v = self.queries_keys_values(x, rope, prefix_k, prefix_v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
@@ -171,7 +175,7 @@ class DFlashDrafter(nn.Module):
             self._rotary.to(x.device)
         return self._rotary(x, positions)
 
-    def forward(self, target_features, input_ids, anchors, embed) -> torch.Tensor:
+    def forward(self, target_features, input_ids, anchors, embed, copy_heads: int = 0, copy_query: str = "slot"):
         """Training forward: draft hidden states for N anchored blocks per sequence, in one pass.
 
         target_features: [Bsz, T, K*H] concatenated target layer outputs at every position.
@@ -179,6 +183,9 @@ class DFlashDrafter(nn.Module):
         anchors: [Bsz, N] long positions a with 0 <= a < T (any order; duplicates allowed).
         embed: the target's frozen token embedding (callable ids -> [.., H]).
         Returns [Bsz, N, B, H], normed, before the lm_head; slot k predicts input_ids[a + k].
+        copy_heads > 0: returns (hidden, copy_logp) with copy_logp [Bsz, N, copy_heads, ctx_len], the
+        attention log-probabilities over the context of head copy_head_ids()[m] for lookup m: from slot 0
+        in the first layer (copy_query "anchor"), or from slot m + 1 in the last layer ("slot").
         """
         bsz, n = anchors.shape
         b = self.block_size
@@ -190,10 +197,38 @@ class DFlashDrafter(nn.Module):
         block_rope = self._rope(x, block_positions(anchors, b).flatten(1))
         ctx_rope = self._rope(context, ctx_positions)
         mask = training_attention_mask(anchors, ctx_len, b)
-        for layer in self.layers:
+        copy_layer = 0 if copy_query == "anchor" else len(self.layers) - 1
+        copy_logp = None
+        for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(context, ctx_rope)
+            if i == copy_layer and copy_heads:
+                slots = [0] * copy_heads if copy_query == "anchor" else list(range(1, copy_heads + 1))
+                copy_logp = self._context_attention(layer, x, block_rope, k, v, mask, n, self.copy_head_ids(copy_heads), slots)
             x = layer(x, block_rope, k, v, mask)
-        return self.norm(x).view(bsz, n, b, -1)
+        hidden = self.norm(x).view(bsz, n, b, -1)
+        return hidden if copy_logp is None else (hidden, copy_logp)
+
+    def copy_head_ids(self, copy_heads: int) -> list[int]:
+        """One query head per key/value group first, so that each lookup gets its own keys and values."""
+        attn = self.layers[0].self_attn
+        group = attn.n_heads // attn.n_kv_heads
+        order = [g * group + r for r in range(group) for g in range(attn.n_kv_heads)]
+        if not 0 < copy_heads <= min(len(order), self.block_size - 1):
+            raise ValueError(f"copy_heads must be in 1..{min(len(order), self.block_size - 1)}, got {copy_heads}")
+        return order[:copy_heads]
+
+    def _context_attention(self, layer: DraftLayer, x, block_rope, ctx_k, ctx_v, mask, n_blocks: int, heads, slots):
+        """[Bsz, N, len(heads), ctx] log-probabilities of head heads[m]'s attention from slot slots[m] of
+        every block over the context, as the layer's SDPA computes it (normalised over context and block)."""
+        attn = layer.self_attn
+        q, k, _ = attn.queries_keys_values(layer.input_layernorm(x), block_rope, ctx_k, ctx_v)
+        group = attn.n_heads // attn.n_kv_heads
+        rows = []
+        for head, slot in zip(heads, slots):
+            queries = torch.arange(n_blocks, device=x.device) * self.block_size + slot
+            scores = (q[:, head, queries] @ k[:, head // group].transpose(-1, -2)).float() / math.sqrt(attn.head_dim)
+            rows.append(scores.masked_fill(~mask[:, 0, queries], float("-inf")).log_softmax(-1)[..., : ctx_k.shape[2]])
+        return torch.stack(rows, dim=2)
 
     def step(self, new_target_features, block_embeds, start: int, cache: DraftCache) -> torch.Tensor:
         """One inference draft: append context, draft a block, leave only context in the cache.

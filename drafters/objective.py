@@ -114,6 +114,7 @@ class LossOutput:
     loss: torch.Tensor          # scalar, weighted mean over valid slots
     slot_correct: torch.Tensor  # [Bsz, N, B-1] bool: draft argmax == target's choice
     slot_valid: torch.Tensor    # [Bsz, N, B-1] bool
+    copy_mass: torch.Tensor | None = None  # with train.copy_heads: slot 0's attention mass on the copy sources
 
 
 class _VocabLoss(torch.autograd.Function):
@@ -222,6 +223,47 @@ def block_loss(
     slot_correct[rows] = correct
     loss = total / expected_weight.clamp_min(1e-6)
     return LossOutput(loss=loss, slot_correct=slot_correct, slot_valid=targets.valid)
+
+
+@dataclass
+class CopyLoss:
+    loss: torch.Tensor  # scalar: mean -log(attention mass on the copy sources) over lookups that have one
+    mass: torch.Tensor  # scalar, no gradient: the mean of that mass
+    lookups: int        # (block, head) pairs with a copy source
+
+
+def copy_sources(input_ids: torch.Tensor, attention_mask: torch.Tensor, anchors: torch.Tensor,
+                 anchor_valid: torch.Tensor, num_offsets: int, context_len: int) -> torch.Tensor:
+    """[Bsz, N, num_offsets, context_len] bool: where the block at a can copy slot m + 1 from.
+
+    Position s < a is a source for offset o = m + 1 when token s - o equals the anchor token a and token s
+    equals token a + o: the lookup prompt lookup does, keyed on the one token a first-layer slot-0 query
+    knows, and kept only where copying gives the right token.
+    """
+    seq_len = input_ids.shape[1]
+    ctx = input_ids[:, None, :context_len]                               # [Bsz, 1, ctx]
+    anchor_tok = torch.gather(input_ids, 1, anchors)[..., None]          # [Bsz, N, 1]
+    positions = torch.arange(context_len, device=input_ids.device)
+    before = positions < anchors[..., None]                              # s < a
+    matches = []
+    for offset in range(1, num_offsets + 1):
+        follows = torch.zeros(*anchors.shape, context_len, dtype=torch.bool, device=input_ids.device)
+        follows[..., offset:] = (ctx == anchor_tok)[..., : context_len - offset]
+        target_pos = (anchors + offset).clamp(max=seq_len - 1)
+        real = (anchors + offset < seq_len) & torch.gather(attention_mask.bool(), 1, target_pos) & anchor_valid
+        right = ctx == torch.gather(input_ids, 1, target_pos)[..., None]
+        matches.append(follows & right & before & real[..., None])
+    return torch.stack(matches, dim=2)
+
+
+def copy_loss(copy_logp: torch.Tensor, sources: torch.Tensor) -> CopyLoss:
+    """copy_logp, sources [Bsz, N, heads, ctx]: teach head m to put its attention on offset m + 1's sources."""
+    has_source = sources.any(-1)
+    log_mass = copy_logp.masked_fill(~sources, float("-inf")).logsumexp(-1)[has_source]
+    if log_mass.numel() == 0:
+        zero = copy_logp.sum() * 0.0
+        return CopyLoss(loss=zero, mass=zero.detach(), lookups=0)
+    return CopyLoss(loss=-log_mass.mean(), mass=log_mass.detach().exp().mean(), lookups=int(has_source.sum()))
 
 
 def acceptance_stats(slot_correct: torch.Tensor, slot_valid: torch.Tensor, keep_prob: torch.Tensor | None = None) -> dict:

@@ -175,3 +175,69 @@ def test_training_forward_backward_and_bf16(parts):
         high = drafter(feats, ids, anchors, embed)
     assert low.dtype == torch.bfloat16
     assert (low.float() - high).abs().max() < 0.1 * high.abs().max()
+
+
+@pytest.mark.parametrize("copy_query", ["anchor", "slot"])
+@torch.no_grad()
+def test_copy_attention_is_the_layers_own_attention(parts, copy_query):
+    """copy_logp equals softmax(q k / sqrt(d)) of one block drafted alone, over [context < a ; its own block]:
+    slot 0 in the first layer ("anchor"), slot m + 1 in the last layer ("slot")."""
+    import math
+
+    from drafters.model import apply_rope
+
+    drafter, embed = parts
+    feats, ids = inputs()
+    anchors = torch.tensor([[3, 11, 20], [20, 1, 9]])
+    hidden, copy_logp = drafter(feats, ids, anchors, embed, copy_heads=2, copy_query=copy_query)
+    torch.testing.assert_close(hidden, drafter(feats, ids, anchors, embed), atol=TOL, rtol=TOL)
+    heads = drafter.copy_head_ids(2)
+    group = drafter.layers[0].self_attn.n_heads // drafter.layers[0].self_attn.n_kv_heads
+    assert heads == [0, group]  # one head per key/value group first
+    slots = [0, 0] if copy_query == "anchor" else [1, 2]
+    for b in range(2):
+        for n, a in enumerate(anchors[b].tolist()):
+            context = drafter.fuse(feats[b : b + 1, :a])
+            x = embed(block_input_ids(ids[b : b + 1], torch.tensor([[a]]), B, MASK)[0])
+            ctx_rope = drafter._rope(context, torch.arange(a)[None])
+            blk_rope = drafter._rope(x, torch.arange(a, a + B)[None])
+            layers = list(drafter.layers)
+            for layer in layers[: 0 if copy_query == "anchor" else -1]:
+                x = layer(x, blk_rope, *layer.self_attn.keys_values(context, ctx_rope))
+            layer = layers[0 if copy_query == "anchor" else -1]
+            attn, h = layer.self_attn, layer.input_layernorm(x)
+            q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(h), attn.n_heads)).transpose(1, 2), *blk_rope)
+            k = torch.cat([attn.keys_values(context, ctx_rope)[0], attn.keys_values(h, blk_rope)[0]], 2)
+            k = k.repeat_interleave(group, 1)
+            probs = torch.softmax(q[0] @ k[0].transpose(-1, -2) / math.sqrt(attn.head_dim), -1)  # [heads, B, a + B]
+            for m, (head, slot) in enumerate(zip(heads, slots)):
+                torch.testing.assert_close(copy_logp[b, n, m, :a].exp(), probs[head, slot, :a], atol=TOL, rtol=TOL)
+            assert torch.isneginf(copy_logp[b, n, :, a:]).all()  # context at or after the anchor is not visible
+
+
+def test_copy_sources_mark_earlier_occurrences_whose_continuation_is_right():
+    from drafters.objective import copy_loss, copy_sources
+
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    ids = torch.tensor([[5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 0]])
+    attention = torch.ones_like(ids)
+    attention[0, 11] = 0  # padding
+    anchors, valid = torch.tensor([[8, 4, 10]]), torch.tensor([[True, True, True]])
+    src = copy_sources(ids, attention, anchors, valid, num_offsets=2, context_len=11)
+    # Anchor 8 (token 5) continues 6, 7: offset 1 copies from 1 and 5 (5 -> 6), offset 2 only from 2 (5 6 -> 7).
+    assert src[0, 0, 0].nonzero().flatten().tolist() == [1, 5]
+    assert src[0, 0, 1].nonzero().flatten().tolist() == [2]
+    # Anchor 4 (token 5) continues 6, 8: offset 1 from 1; offset 2 has no earlier 8.
+    assert src[0, 1, 0].nonzero().flatten().tolist() == [1]
+    assert not src[0, 1, 1].any()
+    # Anchor 10: offset 2 lands on padding, and no earlier 7 is followed by 0.
+    assert not src[0, 2].any()
+    logp = torch.full((1, 3, 2, 11), -100.0)
+    logp[0, 0, 0, 1] = logp[0, 0, 0, 5] = torch.tensor(0.25).log()
+    logp[0, 0, 1, 2] = torch.tensor(0.5).log()
+    logp[0, 1, 0, 1] = torch.tensor(0.1).log()
+    out = copy_loss(logp, src)
+    assert out.lookups == 3
+    expected = -(torch.tensor(0.5).log() + torch.tensor(0.5).log() + torch.tensor(0.1).log()) / 3
+    torch.testing.assert_close(out.loss, expected)
+    torch.testing.assert_close(out.mass, torch.tensor((0.5 + 0.5 + 0.1) / 3))

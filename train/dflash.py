@@ -41,8 +41,8 @@ from common.dtypes import native_bf16
 from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
                                  load_checkpoint, save_checkpoint)
 from train.features import TargetChoices, choices_store, feature_source
-from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
-                        most_frequent_tokens, slot_weights)
+from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, copy_loss, copy_sources,
+                                default_gamma, greedy_path, most_frequent_tokens, slot_weights)
 from train.setup import cache_root, resolve_draft_config, resolve_target, training_dataset
 
 
@@ -280,11 +280,21 @@ class Objective:
         choices = self.choices_of(batch, features) if self.choices_of else None
         on_path = greedy_path(input_ids, choices) if tc.anchor_scope == "sequence" else None
         with self.autocast():
-            hidden = drafter(features.selected, input_ids, anchors, self.head.embed)
+            hidden = drafter(features.selected, input_ids, anchors, self.head.embed, copy_heads=tc.copy_heads,
+                             copy_query=tc.copy_query)
+        copy = None
+        if tc.copy_heads:
+            hidden, copy_logp = hidden
+            sources = copy_sources(input_ids, batch.attention_mask.to(self.device), anchors, anchor_valid,
+                                   tc.copy_heads, copy_logp.shape[-1])
+            copy = copy_loss(copy_logp, sources)
         targets = block_targets(anchors, anchor_valid, supervised.to(self.device), self.block_size, on_path)
         out = block_loss(hidden.float(), targets, features.final_hidden, input_ids, self.head_vocab,
                          gamma=self.gamma, kind=tc.loss, choices=choices, temperature=tc.kl_temperature,
                          chunk_rows=tc.logits_chunk, sample_slots=generator if tc.sample_slots else None)
+        if copy is not None:
+            out.loss = out.loss + tc.copy_weight * copy.loss
+            out.copy_mass = copy.mass
         return out, anchor_valid
 
 
@@ -428,13 +438,15 @@ def _record_micro_batch(window: dict, loss: float, out, anchor_valid: torch.Tens
         window["loss"] += loss
     window["correct"].append(out.slot_correct.flatten(0, 1).cpu())
     window["valid"].append(out.slot_valid.flatten(0, 1).cpu())
+    if out.copy_mass is not None:
+        window["copy_mass"].append(float(out.copy_mass))
     window["tokens"] += int(anchor_valid.sum()) * block_size
     window["sequences"] += sequences
 
 
 def _new_window() -> dict:
     return {"loss": 0.0, "steps": 0, "nonfinite_steps": 0, "correct": [], "valid": [], "tokens": 0, "sequences": 0,
-            "start": time.perf_counter()}
+            "copy_mass": [], "start": time.perf_counter()}
 
 
 def _window_metrics(window: dict, lr: float, world: int, keep_prob: torch.Tensor | None) -> dict:
@@ -449,6 +461,7 @@ def _window_metrics(window: dict, lr: float, world: int, keep_prob: torch.Tensor
         "slot1_acc": stats["slot_accuracy"][0],
         **{f"slot_acc/{k + 1}": acc for k, acc in enumerate(stats["slot_accuracy"])},
         "block_tokens_per_s": window["tokens"] * world / seconds,
+        **({"copy_attention_mass": sum(window["copy_mass"]) / len(window["copy_mass"])} if window["copy_mass"] else {}),
     }
 
 

@@ -82,7 +82,7 @@ def build(root: Path) -> dict:
                             "input_ids": [int(x) for x in ids], "output_ids": [5, 6, 7]})
     write_trajectories(records, root / "agent.jsonl")
 
-    config = build_draft_config(DrafterConfig(num_layers=1, block_size=BLOCK, num_target_features=3),
+    config = build_draft_config(DrafterConfig(num_layers=1, block_size=BLOCK, num_target_features=3, num_key_value_heads=2),
                                 target.config, VOCAB - 1)
     drafter = train_on_greedy_continuations(target, prompts, config, NEW, [2])
     drafter_dir = save_drafter(drafter.eval(), root / "trained")

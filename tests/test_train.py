@@ -78,6 +78,7 @@ def test_train_checkpoints_and_loads(reference_run):
     assert [p.name for p in checkpoints] == ["step-000004", "step-000006"]  # keep-last-2
     state = read_trainer_state(checkpoints[-1])
     assert state.step == 6 and "sim_tau" in state.metrics and state.metrics["loss"] > 0
+    assert 0.0 <= state.metrics["copy_attention_mass"] <= 1.0  # the testbed trains copy heads
     drafter = load_drafter(checkpoints[-1] / "drafter")
     assert drafter.block_size == BLOCK and drafter.mask_token_id == 3
     assert not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())

@@ -260,9 +260,9 @@ def copy_loss(copy_logp: torch.Tensor, sources: torch.Tensor) -> CopyLoss:
     """copy_logp, sources [Bsz, N, heads, ctx]: teach head m to put its attention on offset m + 1's sources."""
     has_source = sources.any(-1)
     log_mass = copy_logp.masked_fill(~sources, float("-inf")).logsumexp(-1)[has_source]
-    if log_mass.numel() == 0:
-        zero = copy_logp.sum() * 0.0
-        return CopyLoss(loss=zero, mass=zero.detach(), lookups=0)
+    if log_mass.numel() == 0:  # no lookup has a source: nothing to teach (copy_logp holds -inf, so no sum * 0)
+        zero = copy_logp.new_zeros(())
+        return CopyLoss(loss=zero, mass=zero, lookups=0)
     return CopyLoss(loss=-log_mass.mean(), mass=log_mass.detach().exp().mean(), lookups=int(has_source.sum()))
 
 

@@ -241,3 +241,21 @@ def test_copy_sources_mark_earlier_occurrences_whose_continuation_is_right():
     expected = -(torch.tensor(0.5).log() + torch.tensor(0.5).log() + torch.tensor(0.1).log()) / 3
     torch.testing.assert_close(out.loss, expected)
     torch.testing.assert_close(out.mass, torch.tensor((0.5 + 0.5 + 0.1) / 3))
+
+
+def test_copy_loss_is_finite_without_sources_and_where_rows_have_none():
+    """Attention log-probabilities hold -inf where the mask hides the context; neither a batch without any
+    copy source (random tokens) nor rows without one may turn the loss or its gradient non-finite."""
+    from drafters.objective import copy_loss
+
+    logp = torch.full((1, 2, 2, 6), float("-inf"))
+    logp[..., :3] = torch.tensor([0.5, 0.25, 0.25]).log()
+    logp.requires_grad_(True)
+    none = copy_loss(logp, torch.zeros(1, 2, 2, 6, dtype=torch.bool))
+    assert none.lookups == 0 and none.loss.item() == 0.0 and torch.isfinite(none.loss)
+    sources = torch.zeros(1, 2, 2, 6, dtype=torch.bool)
+    sources[0, 0, 0, 1] = True  # one lookup has a source; the other three rows have none
+    some = copy_loss(logp, sources)
+    some.loss.backward()
+    torch.testing.assert_close(some.loss, -torch.tensor(0.25).log())
+    assert torch.isfinite(logp.grad).all()

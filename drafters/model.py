@@ -90,11 +90,13 @@ class DraftAttention(nn.Module):
         k, v = self.keys_values(x, rope)
         return q, torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
 
-    def forward(self, x, rope, prefix_k, prefix_v, mask=None):
-        """x [B, Lq, H] block tokens at positions given by rope; prefix_k/v: the context's K/V."""
+    def forward(self, x, rope, prefix_k, prefix_v, mask=None, return_qk=False):
+        """x [B, Lq, H] block tokens at positions given by rope; prefix_k/v: the context's K/V.
+        return_qk: also return the queries and the keys over [context ; block] (for the copy loss)."""
         q, k, v = self.queries_keys_values(x, rope, prefix_k, prefix_v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        out = self.o_proj(out.transpose(1, 2).flatten(2))
+        return (out, q, k) if return_qk else out
 
 
 class DraftLayer(nn.Module):
@@ -105,9 +107,13 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, prefix_k, prefix_v, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, prefix_k, prefix_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, prefix_k, prefix_v, mask=None, return_qk=False):
+        attended = self.self_attn(self.input_layernorm(x), rope, prefix_k, prefix_v, mask, return_qk)
+        if return_qk:
+            attended, q, k = attended
+        x = x + attended
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return (x, q, k) if return_qk else x
 
 
 class DraftCache:
@@ -202,9 +208,11 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(context, ctx_rope)
             if i == copy_layer and copy_heads:
+                x, queries, keys = layer(x, block_rope, k, v, mask, return_qk=True)
                 slots = [0] * copy_heads if copy_query == "anchor" else list(range(1, copy_heads + 1))
-                copy_logp = self._context_attention(layer, x, block_rope, k, v, mask, n, self.copy_head_ids(copy_heads), slots)
-            x = layer(x, block_rope, k, v, mask)
+                copy_logp = self._context_attention(queries, keys, mask, n, ctx_len, self.copy_head_ids(copy_heads), slots)
+            else:
+                x = layer(x, block_rope, k, v, mask)
         hidden = self.norm(x).view(bsz, n, b, -1)
         return hidden if copy_logp is None else (hidden, copy_logp)
 
@@ -217,17 +225,17 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"copy_heads must be in 1..{min(len(order), self.block_size - 1)}, got {copy_heads}")
         return order[:copy_heads]
 
-    def _context_attention(self, layer: DraftLayer, x, block_rope, ctx_k, ctx_v, mask, n_blocks: int, heads, slots):
+    def _context_attention(self, queries, keys, mask, n_blocks: int, ctx_len: int, heads, slots):
         """[Bsz, N, len(heads), ctx] log-probabilities of head heads[m]'s attention from slot slots[m] of
-        every block over the context, as the layer's SDPA computes it (normalised over context and block)."""
-        attn = layer.self_attn
-        q, k, _ = attn.queries_keys_values(layer.input_layernorm(x), block_rope, ctx_k, ctx_v)
-        group = attn.n_heads // attn.n_kv_heads
+        every block over the context, from the layer's own queries and keys [context ; blocks], normalised
+        as its SDPA normalises them (over the context and the block)."""
+        group = queries.shape[1] // keys.shape[1]
         rows = []
         for head, slot in zip(heads, slots):
-            queries = torch.arange(n_blocks, device=x.device) * self.block_size + slot
-            scores = (q[:, head, queries] @ k[:, head // group].transpose(-1, -2)).float() / math.sqrt(attn.head_dim)
-            rows.append(scores.masked_fill(~mask[:, 0, queries], float("-inf")).log_softmax(-1)[..., : ctx_k.shape[2]])
+            block_rows = torch.arange(n_blocks, device=queries.device) * self.block_size + slot
+            scores = (queries[:, head, block_rows] @ keys[:, head // group].transpose(-1, -2)).float()
+            scores = scores / math.sqrt(queries.shape[-1])
+            rows.append(scores.masked_fill(~mask[:, 0, block_rows], float("-inf")).log_softmax(-1)[..., :ctx_len])
         return torch.stack(rows, dim=2)
 
     def step(self, new_target_features, block_embeds, start: int, cache: DraftCache) -> torch.Tensor:

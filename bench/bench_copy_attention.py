@@ -7,7 +7,7 @@ block. This prints, per layer and block slot, the attention mass on the sources 
 best head), the best head's mass on the positions j + 1 just after them (they hold the token to copy), and
 the mass a uniform spread over the context would put on the sources.
 
-    python -m bench.bench_copy_attention outputs/testbed/snapshots/step-001302 --prompts 4
+    python -m bench.bench_copy_attention outputs/testbed/snapshots/step-001085 --prompts 4
 """
 
 from __future__ import annotations

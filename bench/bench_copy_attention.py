@@ -44,8 +44,8 @@ def block_attention(drafter, embed, context_kv, tokens: torch.Tensor, a: int) ->
     for layer, (k_all, v_all) in zip(drafter.layers, context_kv):
         attn = layer.self_attn
         k_ctx, v_ctx = k_all[:, :, :a], v_all[:, :, :a]
-        q, k, _ = attn.queries_keys_values(layer.input_layernorm(x), block_rope, k_ctx, v_ctx)
-        k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, 1)
+        _, q, k_block = attn(layer.input_layernorm(x), block_rope, k_ctx, v_ctx, return_qk=True)
+        k = torch.cat([k_ctx, k_block], dim=2).repeat_interleave(attn.n_heads // attn.n_kv_heads, 1)
         probs.append(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim), -1)[0, :, :, :a])
         x = layer(x, block_rope, k_ctx, v_ctx)
     return probs

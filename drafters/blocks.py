@@ -8,6 +8,7 @@ positions < a (strict: the target features at a already encode token a + 1) and 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -35,6 +36,49 @@ def training_attention_mask(anchors: torch.Tensor, context_len: int, block_size:
     block_id = torch.arange(n, device=anchors.device).repeat_interleave(block_size)
     sees_block = (block_id[:, None] == block_id[None, :]).expand(bsz, -1, -1)  # [Bsz, N*B, N*B]
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+
+class BlockAttention:
+    """The training forward's attention, in groups of consecutive blocks, so that it skips what no query sees.
+
+    One SDPA over the whole context and all N*B block slots would score every query against every key and
+    mask away most of it: the other blocks' slots, and the context at or after each anchor. Group g of
+    group_blocks consecutive blocks instead runs one SDPA over the context before its last anchor and its own
+    blocks' slots, masked by training_attention_mask. Anchors come sorted from sample_anchors, so a group's
+    context is about as long as its queries need; any order stays correct, only slower.
+    """
+
+    def __init__(self, anchors: torch.Tensor, context_len: int, block_size: int, group_blocks: int = 16):
+        self.anchors, self.context_len, self.block_size = anchors, context_len, block_size
+        self.groups = []  # (query rows, context length, mask)
+        for start in range(0, anchors.shape[1], group_blocks):
+            group = anchors[:, start : start + group_blocks]
+            seen = min(max(int(group.max()), 0), context_len)
+            rows = slice(start * block_size, (start + group.shape[1]) * block_size)
+            self.groups.append((rows, seen, training_attention_mask(group, seen, block_size)))
+
+    def __call__(self, q, context_k, context_v, block_k, block_v, enable_gqa: bool) -> torch.Tensor:
+        """q [Bsz, heads, N*B, d]; context_k/v [Bsz, kv, ctx, d]; block_k/v [Bsz, kv, N*B, d] -> [Bsz, heads, N*B, d]."""
+        out = []
+        for rows, seen, mask in self.groups:
+            k = torch.cat([context_k[:, :, :seen], block_k[:, :, rows]], dim=2)
+            v = torch.cat([context_v[:, :, :seen], block_v[:, :, rows]], dim=2)
+            out.append(F.scaled_dot_product_attention(q[:, :, rows], k, v, attn_mask=mask, enable_gqa=enable_gqa))
+        return torch.cat(out, dim=2)
+
+    def context_log_probs(self, q, context_k, block_k, head: int, kv_head: int, slot: int) -> torch.Tensor:
+        """[Bsz, N, ctx] log-probabilities of one head's attention from one slot of every block over the context,
+        normalised as its SDPA normalises them: over the visible context and the block's own slots."""
+        bsz, n = self.anchors.shape
+        rows = torch.arange(n, device=q.device) * self.block_size + slot
+        query = q[:, head, rows].float()  # [Bsz, N, d]
+        scale = query.shape[-1] ** -0.5
+        context = (query @ context_k[:, kv_head].float().transpose(-1, -2)) * scale  # [Bsz, N, ctx]
+        visible = torch.arange(context.shape[-1], device=q.device) < self.anchors[..., None]
+        context = context.masked_fill(~visible, float("-inf"))
+        own_block = block_k[:, kv_head].float().view(bsz, n, self.block_size, -1)
+        block = (own_block @ query[..., None]).squeeze(-1) * scale  # [Bsz, N, B]
+        return context - torch.cat([context, block], dim=-1).logsumexp(-1, keepdim=True)
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):

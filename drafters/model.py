@@ -14,15 +14,13 @@ Two entry points share the same layers:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from drafters.blocks import block_input_ids, block_positions, training_attention_mask
+from drafters.blocks import BlockAttention, block_input_ids, block_positions
 
 
 class RMSNorm(nn.Module):
@@ -84,17 +82,17 @@ class DraftAttention(nn.Module):
         v = self._heads(self.v_proj(h), self.n_kv_heads).transpose(1, 2)
         return apply_rope(k, *rope), v
 
-    def queries_keys_values(self, x, rope, prefix_k, prefix_v):
-        """x [B, Lq, H] block tokens -> queries [B, heads, Lq, d] and keys/values over [context ; block]."""
+    def forward(self, x, rope, prefix_k, prefix_v, blocks: BlockAttention | None = None, return_qk=False):
+        """x [B, Lq, H] block tokens at positions given by rope; prefix_k/v: the context's K/V.
+        blocks: the training forward's N anchored blocks (None: x is one block that sees all the context).
+        return_qk: also return the queries and the block's own keys (for the copy loss)."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(1, 2), *rope)
         k, v = self.keys_values(x, rope)
-        return q, torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
-
-    def forward(self, x, rope, prefix_k, prefix_v, mask=None, return_qk=False):
-        """x [B, Lq, H] block tokens at positions given by rope; prefix_k/v: the context's K/V.
-        return_qk: also return the queries and the keys over [context ; block] (for the copy loss)."""
-        q, k, v = self.queries_keys_values(x, rope, prefix_k, prefix_v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        gqa = self.n_heads != self.n_kv_heads
+        if blocks is None:
+            out = F.scaled_dot_product_attention(q, torch.cat([prefix_k, k], 2), torch.cat([prefix_v, v], 2), enable_gqa=gqa)
+        else:
+            out = blocks(q, prefix_k, prefix_v, k, v, enable_gqa=gqa)
         out = self.o_proj(out.transpose(1, 2).flatten(2))
         return (out, q, k) if return_qk else out
 
@@ -107,8 +105,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, prefix_k, prefix_v, mask=None, return_qk=False):
-        attended = self.self_attn(self.input_layernorm(x), rope, prefix_k, prefix_v, mask, return_qk)
+    def forward(self, x, rope, prefix_k, prefix_v, blocks: BlockAttention | None = None, return_qk=False):
+        attended = self.self_attn(self.input_layernorm(x), rope, prefix_k, prefix_v, blocks, return_qk)
         if return_qk:
             attended, q, k = attended
         x = x + attended
@@ -149,6 +147,10 @@ def dflash_settings(config: Qwen3Config) -> tuple[list[int], int | None, int]:
 
 
 class DFlashDrafter(nn.Module):
+    # Blocks per SDPA call in the training forward (drafters.blocks.BlockAttention); any value gives the same
+    # numbers, and one at least the anchor count is a single dense masked attention (BENCHMARKS.md, issue 12).
+    attention_group_blocks = 16
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
@@ -202,17 +204,19 @@ class DFlashDrafter(nn.Module):
         ctx_positions = torch.arange(ctx_len, device=x.device).expand(bsz, -1)
         block_rope = self._rope(x, block_positions(anchors, b).flatten(1))
         ctx_rope = self._rope(context, ctx_positions)
-        mask = training_attention_mask(anchors, ctx_len, b)
+        blocks = BlockAttention(anchors, ctx_len, b, self.attention_group_blocks)
         copy_layer = 0 if copy_query == "anchor" else len(self.layers) - 1
         copy_logp = None
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(context, ctx_rope)
             if i == copy_layer and copy_heads:
-                x, queries, keys = layer(x, block_rope, k, v, mask, return_qk=True)
+                x, queries, block_keys = layer(x, block_rope, k, v, blocks, return_qk=True)
                 slots = [0] * copy_heads if copy_query == "anchor" else list(range(1, copy_heads + 1))
-                copy_logp = self._context_attention(queries, keys, mask, n, ctx_len, self.copy_head_ids(copy_heads), slots)
+                group = queries.shape[1] // k.shape[1]
+                copy_logp = torch.stack([blocks.context_log_probs(queries, k, block_keys, head, head // group, slot)
+                                         for head, slot in zip(self.copy_head_ids(copy_heads), slots)], dim=2)
             else:
-                x = layer(x, block_rope, k, v, mask)
+                x = layer(x, block_rope, k, v, blocks)
         hidden = self.norm(x).view(bsz, n, b, -1)
         return hidden if copy_logp is None else (hidden, copy_logp)
 
@@ -224,19 +228,6 @@ class DFlashDrafter(nn.Module):
         if not 0 < copy_heads <= min(len(order), self.block_size - 1):
             raise ValueError(f"copy_heads must be in 1..{min(len(order), self.block_size - 1)}, got {copy_heads}")
         return order[:copy_heads]
-
-    def _context_attention(self, queries, keys, mask, n_blocks: int, ctx_len: int, heads, slots):
-        """[Bsz, N, len(heads), ctx] log-probabilities of head heads[m]'s attention from slot slots[m] of
-        every block over the context, from the layer's own queries and keys [context ; blocks], normalised
-        as its SDPA normalises them (over the context and the block)."""
-        group = queries.shape[1] // keys.shape[1]
-        rows = []
-        for head, slot in zip(heads, slots):
-            block_rows = torch.arange(n_blocks, device=queries.device) * self.block_size + slot
-            scores = (queries[:, head, block_rows] @ keys[:, head // group].transpose(-1, -2)).float()
-            scores = scores / math.sqrt(queries.shape[-1])
-            rows.append(scores.masked_fill(~mask[:, 0, block_rows], float("-inf")).log_softmax(-1)[..., :ctx_len])
-        return torch.stack(rows, dim=2)
 
     def step(self, new_target_features, block_embeds, start: int, cache: DraftCache) -> torch.Tensor:
         """One inference draft: append context, draft a block, leave only context in the cache.

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 
 from configs.schema import DrafterConfig
-from drafters.blocks import block_input_ids, block_positions, sample_anchors, training_attention_mask
+from drafters.blocks import BlockAttention, block_input_ids, block_positions, sample_anchors, training_attention_mask
 from drafters.draft_config import build_draft_config
 from drafters.model import DFlashDrafter, DraftCache
 from drafters.objective import block_targets
@@ -47,13 +47,19 @@ def single_block(drafter, embed, feats, ids, a):
     return drafter.step(feats[None, :a], embed(block), a, DraftCache())[0]
 
 
+@pytest.mark.parametrize("group_blocks", [3, 16])
 @torch.no_grad()
-def test_training_forward_equals_separate_inference_forwards(parts):
+def test_training_forward_equals_separate_inference_forwards(parts, group_blocks):
     drafter, embed = parts
     feats, ids = inputs()
-    anchors = torch.tensor([[0, 5, 23, 5, 11], [17, 1, 2, 20, 9]])  # any order, duplicates, first and last
-    out = drafter(feats, ids, anchors, embed)
-    assert out.shape == (2, 5, B, H)
+    # Any order, duplicates, first and last; one group of blocks or several (drafters.blocks.BlockAttention).
+    anchors = torch.tensor([[0, 5, 23, 5, 11, 2, 19, 8, 14, 3, 22], [17, 1, 2, 20, 9, 9, 4, 12, 6, 23, 0]])
+    drafter.attention_group_blocks = group_blocks
+    try:
+        out = drafter(feats, ids, anchors, embed)
+    finally:
+        del drafter.attention_group_blocks  # back to the class default for the other tests
+    assert out.shape == (2, 11, B, H)
     for b in range(2):
         for n, a in enumerate(anchors[b].tolist()):
             expected = single_block(drafter, embed, feats[b], ids[b], a)
@@ -110,6 +116,29 @@ def test_mask_matches_the_dflash_rule():
         [1, 0, 0, 0, 0, 0, 1, 1],
     ], dtype=torch.bool)
     assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("group_blocks", [1, 3, 8, 64])
+def test_grouped_block_attention_equals_one_masked_attention(group_blocks):
+    """Groups of blocks give the output and gradients of one SDPA over [context ; all blocks] with the full mask,
+    for anchors in any order, with duplicates, at the sequence's ends and padding anchors (0)."""
+    g = torch.Generator().manual_seed(3)
+    bsz, heads, kv, d, ctx, n = 2, 4, 2, 8, 30, 13
+    anchors = torch.randint(0, ctx + 1, (bsz, n), generator=g)
+    anchors[0, :4] = torch.tensor([0, ctx, 7, 7])
+    q = torch.randn(bsz, heads, n * B, d, generator=g, requires_grad=True)
+    context_k, context_v, block_k, block_v = (torch.randn(bsz, kv, length, d, generator=g, requires_grad=True)
+                                              for length in (ctx, ctx, n * B, n * B))
+    inputs = (q, context_k, context_v, block_k, block_v)
+    grouped = BlockAttention(anchors, ctx, B, group_blocks)(*inputs, enable_gqa=True)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([context_k, block_k], 2), torch.cat([context_v, block_v], 2),
+        attn_mask=training_attention_mask(anchors, ctx, B), enable_gqa=True)
+    torch.testing.assert_close(grouped, dense, atol=TOL, rtol=TOL)
+    weights = torch.randn(dense.shape, generator=g)
+    grads = [torch.autograd.grad((out * weights).sum(), inputs) for out in (grouped, dense)]
+    for grouped_grad, dense_grad in zip(*grads):
+        torch.testing.assert_close(grouped_grad, dense_grad, atol=TOL, rtol=TOL)
 
 
 def test_block_ids_positions_and_same_position_labels():
@@ -188,7 +217,7 @@ def test_copy_attention_is_the_layers_own_attention(parts, copy_query):
 
     drafter, embed = parts
     feats, ids = inputs()
-    anchors = torch.tensor([[3, 11, 20], [20, 1, 9]])
+    anchors = torch.tensor([[3, 11, 20, 5, 17, 8, 1, 22, 14, 9], [20, 1, 9, 9, 15, 3, 23, 6, 12, 18]])
     hidden, copy_logp = drafter(feats, ids, anchors, embed, copy_heads=2, copy_query=copy_query)
     torch.testing.assert_close(hidden, drafter(feats, ids, anchors, embed), atol=TOL, rtol=TOL)
     heads = drafter.copy_head_ids(2)

@@ -1,11 +1,15 @@
-"""Batched generation with transformers' `sdpa` against grouped-query SDPA (drafters/target_attention.py).
+"""Batched generation with grouped-query attention (drafters/target_attention.py) against a baseline.
 
 Regeneration's own work, side by side: the testbed mixture's prompts (configs/testbed.yaml, real lengths, sorted
 by length as `regenerate` sorts them), the target in `--dtype` (fp32 by default), batches of `--batch-size`
 left-padded prompts, greedy, the drafter's target layers kept from every forward. Each batch runs once per
-attention, alternating which goes first, so both see the same load.
+attention, alternating which goes first, so both see the same load. Baselines (`--baseline`):
+- `sdpa`: transformers' own, which repeats the key/value heads under a padding mask;
+- `kernel`: grouped-query SDPA with torch's kernel at every step, batched decoding steps included (the grouped
+  attention before its one-query path).
 
     python -m bench.bench_target_attention --num-prompts 64 --batch-size 32 --max-new-tokens 192
+    python -m bench.bench_target_attention --baseline kernel --dtype bfloat16 --batch-size 64
 
 Prints one JSON line: per attention, generation seconds and response columns per second, and whether the two
 gave the same tokens and features.
@@ -29,6 +33,22 @@ def _batches(config, batch_size: int, tokenizer, context: int | None) -> list[li
     return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
 
 
+def _register_kernel_everywhere() -> str:
+    """Grouped-query SDPA whose every step, one query or many, goes through torch's kernel."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return output.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("sdpa_gqa_kernel", forward)
+    AttentionMaskInterface.register("sdpa_gqa_kernel", sdpa_mask)
+    return "sdpa_gqa_kernel"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -36,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--dtype", default="float32", help="the target's dtype: float32 or bfloat16")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--baseline", choices=["sdpa", "kernel"], default="sdpa")
     args = parser.parse_args(argv)
 
     import torch
@@ -54,8 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     target = prepare_testbed_target()
     tokenizer = load_tokenizer(target)
     dtype = dtypes.torch_dtype(args.dtype)
-    models = {"sdpa": load_target_model(target, dtype=dtype), "grouped": load_target_model(target, dtype=dtype)}
-    models["sdpa"].set_attn_implementation("sdpa")  # transformers' own: key/value heads repeated under a mask
+    models = {args.baseline: load_target_model(target, dtype=dtype), "grouped": load_target_model(target, dtype=dtype)}
+    models[args.baseline].set_attn_implementation("sdpa" if args.baseline == "sdpa" else _register_kernel_everywhere())
     config = load_config("configs/testbed.yaml", [f"data.mixture.num_samples={args.num_prompts}",
                                                   f"data.mixture.max_new_tokens={args.max_new_tokens}"])
     target_config = models["grouped"].config
@@ -71,19 +92,19 @@ def main(argv: list[str] | None = None) -> dict:
             outputs[name] = generator.generate_with_features(batch, args.max_new_tokens, [str(i)] * len(batch), tap)
             seconds[name] += time.perf_counter() - started
             tap.remove()
-        (tokens_a, features_a), (tokens_b, features_b) = outputs["sdpa"], outputs["grouped"]
+        (tokens_a, features_a), (tokens_b, features_b) = outputs[args.baseline], outputs["grouped"]
         same_tokens &= tokens_a == tokens_b
         columns += len(batch) * len(tokens_a[0])
         if features_a.selected.shape != features_b.selected.shape:
             feature_diff = None  # different lengths: same_tokens is False, and no difference is defined
         elif feature_diff is not None:
             feature_diff = max(feature_diff, (features_a.selected - features_b.selected).abs().max().item())
-    result = {"bench": "target_attention", "dtype": str(dtype), "torch_threads": torch.get_num_threads(),
+    result = {"bench": "target_attention", "baseline": args.baseline, "dtype": str(dtype), "torch_threads": torch.get_num_threads(),
               "num_prompts": args.num_prompts, "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
               "columns": columns,
               "runs": {name: {"generation_seconds": round(s, 1), "columns_per_second": round(columns / s, 1)}
                        for name, s in seconds.items()},
-              "speedup": round(seconds["sdpa"] / seconds["grouped"], 2),
+              "speedup": round(seconds[args.baseline] / seconds["grouped"], 2),
               "same_tokens": same_tokens, "max_feature_difference": feature_diff}
     print(json.dumps(result))
     return result

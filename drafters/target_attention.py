@@ -10,8 +10,8 @@ The outputs are the same numbers: the kernel sees the same keys and values, only
 A batched decoding step (one query per sequence under a padding mask: regeneration, the agent simulator) skips
 torch's flash kernel, which works in query blocks and spends most of such a step on a block of one query
 (BENCHMARKS.md, "Batched decoding"). Each key/value head's query heads go through two grouped matrix
-multiplies instead, with the scores in fp32 as the kernel keeps them. Batch-1 decoding (the eval, the engines)
-has no padding mask and keeps the kernel.
+multiplies instead, with the scores in fp32 as the kernel keeps them. The eval decodes one sequence with no
+padding mask and keeps the kernel.
 
 `load_target_model` switches every target that runs on the CPU to it (`use_on_cpu`).
 """
@@ -41,7 +41,7 @@ def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float 
 
 
 def _one_query_grouped(query, key, value, attention_mask, scaling: float | None):
-    """query [B, H, 1, D], key/value [B, KV, L, D], attention_mask [B, 1, 1, L] (bool: attend, or additive)
+    """query [B, H, 1, D], key/value [B, KV, L, D], attention_mask [B or 1, 1, 1, L] (bool: attend, or additive)
     -> [B, 1, H, D]. Query head h reads key/value head h // (H / KV), as `repeat_kv` lays them out."""
     import torch
 
@@ -49,7 +49,7 @@ def _one_query_grouped(query, key, value, attention_mask, scaling: float | None)
     kv_heads, length = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
     scores = grouped @ key.float().transpose(-1, -2) * (dim ** -0.5 if scaling is None else scaling)
-    mask = attention_mask.reshape(batch, 1, 1, length)
+    mask = attention_mask.reshape(attention_mask.shape[0], 1, 1, length)  # a batch of 1 broadcasts
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     output = scores.softmax(-1).to(value.dtype) @ value
     return output.reshape(batch, 1, heads, dim)

@@ -6,10 +6,13 @@ left-padded prompts, greedy, the drafter's target layers kept from every forward
 attention, alternating which goes first, so both see the same load. Baselines (`--baseline`):
 - `sdpa`: transformers' own, which repeats the key/value heads under a padding mask;
 - `kernel`: grouped-query SDPA with torch's kernel at every step, batched decoding steps included (the grouped
-  attention before its one-query path).
+  attention before its one-query path and its decoding cache);
+- `cache`: the same grouped attention with the library's cache, which concatenates bf16 keys and values at every
+  step, against `decoding_cache`'s buffers with fp32 keys.
 
     python -m bench.bench_target_attention --num-prompts 64 --batch-size 32 --max-new-tokens 192
     python -m bench.bench_target_attention --baseline kernel --dtype bfloat16 --batch-size 64
+    python -m bench.bench_target_attention --baseline cache --dtype bfloat16 --batch-size 64
 
 Prints one JSON line: per attention, generation seconds and response columns per second, and whether the two
 gave the same tokens and features.
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--dtype", default="float32", help="the target's dtype: float32 or bfloat16")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--baseline", choices=["sdpa", "kernel"], default="sdpa")
+    parser.add_argument("--baseline", choices=["sdpa", "kernel", "cache"], default="sdpa")
     args = parser.parse_args(argv)
 
     import torch
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(target)
     dtype = dtypes.torch_dtype(args.dtype)
     models = {args.baseline: load_target_model(target, dtype=dtype), "grouped": load_target_model(target, dtype=dtype)}
-    models[args.baseline].set_attn_implementation("sdpa" if args.baseline == "sdpa" else _register_kernel_everywhere())
+    if args.baseline != "cache":
+        models[args.baseline].set_attn_implementation("sdpa" if args.baseline == "sdpa" else _register_kernel_everywhere())
     config = load_config("configs/testbed.yaml", [f"data.mixture.num_samples={args.num_prompts}",
                                                   f"data.mixture.max_new_tokens={args.max_new_tokens}"])
     target_config = models["grouped"].config
@@ -87,7 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                getattr(target_config, "max_position_embeddings", None))):
         outputs = {}
         for name in (list(models) if i % 2 == 0 else list(models)[::-1]):
-            generator, tap = BatchGenerator(models[name], tokenizer, 0.0, 0), HFCapture(models[name], layers)
+            buffered = not (name == "cache")
+            generator = BatchGenerator(models[name], tokenizer, 0.0, 0, buffered_cache=buffered)
+            tap = HFCapture(models[name], layers)
             started = time.perf_counter()
             outputs[name] = generator.generate_with_features(batch, args.max_new_tokens, [str(i)] * len(batch), tap)
             seconds[name] += time.perf_counter() - started

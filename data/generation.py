@@ -45,8 +45,9 @@ class BatchGenerator:
     after an end of turn included). Sampling is seeded per batch from `seed` and the batch's keys, so a batch
     gives the same tokens whenever it is generated again."""
 
-    def __init__(self, model, tokenizer, temperature: float, seed: int, *, top_p: float = 1.0, top_k: int = 0):
-        self.model = model
+    def __init__(self, model, tokenizer, temperature: float, seed: int, *, top_p: float = 1.0, top_k: int = 0,
+                 buffered_cache: bool = True):
+        self.model, self.buffered_cache = model, buffered_cache
         self.eos_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.temperature, self.seed = float(temperature), int(seed)
@@ -65,6 +66,8 @@ class BatchGenerator:
         each decode step, and one step more for the last token (generation never feeds it back)."""
         import torch
 
+        from drafters.target_attention import decoding_cache
+
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -72,15 +75,17 @@ class BatchGenerator:
             torch.manual_seed(batch_seed(self.seed, keys))
         started = time.perf_counter()
         features = None
+        # One position more than generation fills: the tap's last step feeds the final token back.
+        cache = decoding_cache(self.model, width + max_new_tokens + 1) if self.buffered_cache else None
+        settings = {"max_new_tokens": max_new_tokens, "eos_token_id": self.eos_ids, "pad_token_id": self.pad_id,
+                    **({"past_key_values": cache} if cache is not None else {}), **self.sampling}
         with torch.inference_mode():
             if tap is None:
-                sequences = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                                                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, **self.sampling)
+                sequences = self.model.generate(input_ids=input_ids, attention_mask=attention, **settings)
             else:
                 with tap.record_forwards() as forwards:
-                    out = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                                              eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                                              return_dict_in_generate=True, **self.sampling)
+                    out = self.model.generate(input_ids=input_ids, attention_mask=attention, return_dict_in_generate=True,
+                                              **settings)
                     sequences = out.sequences
                     # generate() attends to every generated column (padding after an end of turn too).
                     mask = torch.cat([attention, torch.ones(len(prompts), sequences.shape[1] - width, dtype=attention.dtype)], 1)

@@ -13,28 +13,37 @@ torch's flash kernel, which works in query blocks and spends most of such a step
 multiplies instead, with the scores in fp32 as the kernel keeps them. The eval decodes one sequence with no
 padding mask and keeps the kernel.
 
+Batched generation keeps its keys in fp32 and its keys and values in buffers sized for the whole generation
+(`decoding_cache`): the library's cache concatenates every layer's keys and values at every step, and the fp32
+scores would convert all the keys again at every step (BENCHMARKS.md, "A decoding cache"). Converting bf16 to fp32
+is exact, so the numbers are the same.
+
 `load_target_model` switches every target that runs on the CPU to it (`use_on_cpu`).
 """
 
 from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 ATTENTION = "sdpa_gqa"
 
 
 def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs):
-    import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = query.shape[1] // key.shape[1]
-    if (query.device.type != "cpu" or attention_mask is None or groups == 1
-            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None):
+    library = (query.device.type != "cpu" or attention_mask is None or groups == 1
+               or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None)
+    if not library and query.shape[2] == 1:
+        return _one_query_grouped(query, key, value, attention_mask, scaling), None
+    key = key.to(query.dtype)  # a decoding_cache holds fp32 keys; the kernels take one dtype
+    if library:
         # A target moved to an accelerator after loading gets the library's masked path; without a mask the
         # library already passes enable_gqa; position biases and paged caches are its own.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if query.shape[2] == 1:
-        return _one_query_grouped(query, key, value, attention_mask, scaling), None
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
@@ -43,8 +52,6 @@ def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float 
 def _one_query_grouped(query, key, value, attention_mask, scaling: float | None):
     """query [B, H, 1, D], key/value [B, KV, L, D], attention_mask [B or 1, 1, 1, L] (bool: attend, or additive)
     -> [B, 1, H, D]. Query head h reads key/value head h // (H / KV), as `repeat_kv` lays them out."""
-    import torch
-
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
@@ -53,6 +60,64 @@ def _one_query_grouped(query, key, value, attention_mask, scaling: float | None)
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     output = scores.softmax(-1).to(value.dtype) @ value
     return output.reshape(batch, 1, heads, dim)
+
+
+def decoding_cache(model, capacity: int) -> Cache | None:
+    """A cache for one batched `generate` on a CPU target that attends with `ATTENTION`, every layer full attention:
+    fp32 keys and the model's values in buffers of `capacity` positions (prompt width plus new tokens; a longer
+    generation grows them). None for any other model, which keeps the library's cache."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION or set(layer_types) != {"full_attention"}:
+        return None
+    return Cache(layers=[BufferedLayer(capacity) for _ in layer_types])
+
+
+class BufferedLayer(DynamicLayer):
+    """A cache layer that writes each step into preallocated buffers instead of concatenating, keys in fp32."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = value_states.dtype, value_states.device
+        self.key_buffer = _buffer_like(key_states, torch.float32, self.capacity)
+        self.value_buffer = _buffer_like(value_states, value_states.dtype, self.capacity)
+        self.length, self.is_initialized = 0, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:
+            self._grow(max(end, 2 * self.key_buffer.shape[-2]))
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = _buffer_like(old, old.dtype, capacity)
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+
+    def reset(self) -> None:
+        self.length = 0
+        super().reset()
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("decoding_cache serves plain batched generation: no cropping, reordering or batch selection")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+def _buffer_like(states: torch.Tensor, dtype: torch.dtype, capacity: int) -> torch.Tensor:
+    batch, heads, _, dim = states.shape
+    return states.new_empty(batch, heads, capacity, dim, dtype=dtype)
 
 
 def register() -> str:

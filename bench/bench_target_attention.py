@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     import torch
+    from transformers import AutoModelForCausalLM
 
     from common import dtypes
     from configs.schema import load_config
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     from data.generation import BatchGenerator
     from drafters.capture import HFCapture
     from drafters.draft_config import build_target_layer_ids
+    from drafters.target_attention import use_on_cpu
     from drafters.target_loading import load_target_model
     from drafters.testbed import prepare_testbed_target
 
@@ -81,10 +83,12 @@ def main(argv: list[str] | None = None) -> dict:
     target = prepare_testbed_target()
     tokenizer = load_tokenizer(target)
     dtype = dtypes.torch_dtype(args.dtype)
-    models = {args.baseline: load_target_model(target, dtype=dtype), "grouped": load_target_model(target, dtype=dtype)}
-    if args.baseline == "head":
-        models["head"].get_output_embeddings()._forward_pre_hooks.clear()  # contiguous_head_input's is its only one
-    elif args.baseline != "cache":
+    if args.baseline == "head":  # the loader's model without contiguous_head_input
+        baseline = use_on_cpu(AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)).eval()
+    else:
+        baseline = load_target_model(target, dtype=dtype)
+    models = {args.baseline: baseline, "grouped": load_target_model(target, dtype=dtype)}
+    if args.baseline in ("sdpa", "kernel"):
         attention = "sdpa" if args.baseline == "sdpa" else _register_kernel_everywhere()
         models[args.baseline].set_attn_implementation(attention)
     config = load_config("configs/testbed.yaml", [f"data.mixture.num_samples={args.num_prompts}",

@@ -75,11 +75,8 @@ class BatchGenerator:
             torch.manual_seed(batch_seed(self.seed, keys))
         started = time.perf_counter()
         features = None
-        # Only a padded batch takes the grouped one-query attention that the buffered cache serves; an unpadded one
-        # keeps the library's kernel, as the eval does. generate() caches width + max_new_tokens - 1 positions; the
-        # tap's last step feeds the final token back.
-        padded = not bool(attention.all())
-        cache = decoding_cache(self.model, width + max_new_tokens) if self.buffered_cache and padded else None
+        # generate() caches width + max_new_tokens - 1 positions; the tap's last step feeds the final token back.
+        cache = decoding_cache(self.model, attention, width + max_new_tokens) if self.buffered_cache else None
         settings = {"max_new_tokens": max_new_tokens, "eos_token_id": self.eos_ids, "pad_token_id": self.pad_id,
                     **({"past_key_values": cache} if cache is not None else {}), **self.sampling}
         with torch.inference_mode():

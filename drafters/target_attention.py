@@ -64,14 +64,16 @@ def _one_query_grouped(query, key, value, attention_mask, scaling: float | None)
     return output.reshape(batch, 1, heads, dim)
 
 
-def decoding_cache(model, capacity: int) -> Cache | None:
-    """A cache for one batched `generate`: fp32 keys and the model's values in buffers of `capacity` positions (a
-    longer generation grows them), for a CPU target that attends with `ATTENTION` through grouped key/value heads,
-    every layer full attention, whose cache holds plain keys (not MLA's latents). None for any other model, which
-    keeps the library's cache."""
+def decoding_cache(model, attention_mask: torch.Tensor, capacity: int) -> Cache | None:
+    """A cache for one batched `generate` of a left-padded batch (`attention_mask` [B, width]): fp32 keys and the
+    model's values in buffers of `capacity` positions (a longer generation grows them). Only where the one-query
+    path serves every decoding step: a padded batch, on a CPU target that attends with `ATTENTION` through grouped
+    key/value heads, every layer full attention, whose cache holds plain keys (not MLA's latents). None otherwise,
+    which keeps the library's cache (and for an unpadded batch torch's kernel, the eval's numbers)."""
     config = model.config.get_text_config(decoder=True)
     layer_types, _ = get_layer_types_and_kwargs(config)
-    eligible = (getattr(model.config, "_attn_implementation", None) == ATTENTION
+    eligible = (not bool(attention_mask.all())
+                and getattr(model.config, "_attn_implementation", None) == ATTENTION
                 and {p.device.type for p in model.parameters()} <= {"cpu"}
                 and getattr(config, "num_key_value_heads", None) not in (None, config.num_attention_heads)
                 and getattr(config, "kv_lora_rank", None) is None

@@ -114,7 +114,7 @@ def test_decoding_cache_keeps_fp32_keys_in_buffers_with_the_library_cache_number
     logits = {}
     with torch.inference_mode():
         for name, cache in (("library", DynamicCache(config=model.config)),
-                            ("buffered", decoding_cache(model, capacity=ids.shape[1] + 1))):
+                            ("buffered", decoding_cache(model, mask, capacity=ids.shape[1] + 1))):
             logits[name] = [model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits]
             step_mask = mask
             for next_ids in steps:
@@ -169,8 +169,9 @@ def test_decoding_cache_only_for_grouped_heads_with_plain_keys(tmp_path):
     ids, mask = _padded([[1, 5, 7], [1, 9]])
     for kind, buffered in (("llama", True), ("deepseek_v3", False)):
         model = load_target_model(save_tiny_target(kind, tmp_path / kind), dtype=torch.bfloat16)
-        cache = decoding_cache(model, ids.shape[1] + 4)
+        cache = decoding_cache(model, mask, ids.shape[1] + 4)
         assert (cache is not None) == buffered
+        assert decoding_cache(model, torch.ones_like(mask), ids.shape[1] + 4) is None  # no padding: the library's
         with torch.inference_mode():
             tokens = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                      pad_token_id=0, **({"past_key_values": c} if c is not None else {}))

@@ -11,7 +11,7 @@ CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*
 def test_shipped_configs_validate(path):
     config = load_config(path)
     assert isinstance(config, PipelineConfig)
-    # The quickstart drafts blocks of 8 (BENCHMARKS.md, issue 12); every other shipped config blocks of 16.
+    # The CPU recipes (quickstart and full) draft blocks of 8 (BENCHMARKS.md, issue 12); every other shipped config 16.
     assert config.drafter.block_size == (8 if path.name in ("testbed.yaml", "testbed-full.yaml") else 16)
 
 

@@ -124,6 +124,9 @@ class TrainConfig(Strict):
     # kl: to the target's distribution; ce: to the data tokens; ce_target: to the target's greedy tokens
     # (what greedy verification accepts; no target vocabulary projection per step once a row is seen).
     loss: Literal["kl", "ce", "ce_target"] = "kl"
+    # ce / ce_target only: blend in total variation, 1 - q(label), as LK losses do (arXiv 2602.23881): the CE
+    # weight lam = exp(-tv_eta * mean q(label)) falls as the drafter improves (drafters/objective.py). None: CE.
+    tv_eta: float | None = Field(None, gt=0)
     # Train the vocabulary projection over the N tokens the target emits most often on the training data instead of
     # the whole vocabulary (the projection is most of a CPU step); serving always uses the full head.
     head_vocab: int | None = Field(None, ge=2)
@@ -163,6 +166,12 @@ class TrainConfig(Strict):
     # each, never deleted): the points of bench/bench_learning_curve.py.
     snapshot_every: int | None = Field(None, ge=1)
     log_every: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _tv_needs_a_label(self) -> "TrainConfig":
+        if self.tv_eta is not None and self.loss == "kl":
+            raise ValueError("train.tv_eta blends total variation into a CE loss: it needs train.loss ce or ce_target")
+        return self
 
 
 class EvalConfig(Strict):

@@ -108,6 +108,17 @@ def regenerated_features(config: PipelineConfig, target_path: Path, cache_root: 
     return RegeneratedFeatures(folder) if folder.is_dir() else None
 
 
+def greedy_response_spans(config: PipelineConfig, dataset) -> list[tuple[int, int]] | None:
+    """Per row of the stage-1 mixture, the positions [lo, hi) whose target greedy choice is the next token:
+    a greedily regenerated response is the target's argmax at every step, so training reads those choices
+    from the row instead of projecting its final hidden states onto the vocabulary again. Prefilled rows
+    (num_generated 0) get an empty span. None: not a greedy regeneration (sampled, a prepared dataset, stage 2)."""
+    if config.train.stage != "general" or config.data.dataset is not None or config.data.mixture.temperature > 0:
+        return None
+    return [(p - 1, p + g - 1) if g else (0, 0)
+            for p, g in zip(dataset["num_prompt_tokens"], dataset["num_generated"])]
+
+
 def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
                   feature_layers: list[int] | None = None) -> Dataset:
     """feature_layers: keep those target layers' features while regenerating, for the feature cache."""

@@ -123,10 +123,16 @@ class _VocabLoss(torch.autograd.Function):
     For logits z = h W^T, d(loss)/dh = (softmax(z/T) - p) W / T, so each chunk needs its logits only
     once: no logits are kept for the backward pass and none are recomputed (3 vocabulary matmuls per
     row with KL, 2 with CE, against 5-6 for autograd with activation checkpointing).
+
+    tv_eta (CE only): the LK hybrid of CE and total variation (arXiv 2602.23881). Against a one-hot label y,
+    TV is 1 - q(y) (the drafter's probability of the label), whose gradient is q(y) times CE's: it spends
+    the step on rows the drafter can win instead of rows it cannot. Row loss lam * CE + (1 - lam) * (1 - q(y)),
+    lam = exp(-tv_eta * alpha) with alpha the chunk's mean q(y) (no gradient): TV takes over as the drafter
+    improves, CE alone starts it (TV's gradient vanishes while q(y) is small).
     """
 
     @staticmethod
-    def forward(ctx, draft_rows, target_rows, labels, weights, lm_head, kind, temperature, chunk_rows):
+    def forward(ctx, draft_rows, target_rows, labels, weights, lm_head, kind, temperature, chunk_rows, tv_eta):
         need_grad = draft_rows.requires_grad
         grad = torch.zeros_like(draft_rows, dtype=torch.float32) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=draft_rows.device)
@@ -145,8 +151,17 @@ class _VocabLoss(torch.autograd.Function):
             else:
                 known = labels[sl] >= 0  # a label outside a reduced head: no loss, a miss
                 choice = labels[sl].clamp_min(0)
-                per_row = -draft_logp.gather(-1, choice[:, None])[:, 0] * known
+                label_logp = draft_logp.gather(-1, choice[:, None])[:, 0]
+                per_row = -label_logp * known
             row_weights = weights[sl] if kind == "kl" else weights[sl] * known
+            grad_weights = row_weights
+            if tv_eta is not None:
+                label_p = label_logp.exp() * known
+                alpha = (label_p * row_weights).sum() / row_weights.sum().clamp_min(1e-6)
+                lam = torch.exp(-tv_eta * alpha)
+                per_row = lam * per_row + (1 - lam) * (1 - label_p) * known
+                # d/dz (1 - q(y)) is q(y) times d/dz CE, so the row's gradient is (lam + (1 - lam) q(y)) times CE's.
+                grad_weights = row_weights * (lam + (1 - lam) * label_p)
             total += (per_row * row_weights).sum()
             correct[sl] = draft_logits.argmax(-1) == choice
             if kind != "kl":
@@ -157,7 +172,7 @@ class _VocabLoss(torch.autograd.Function):
                     g -= target_p
                 else:
                     g[torch.arange(len(choice), device=g.device), choice] -= 1.0
-                g *= (row_weights / temperature)[:, None]
+                g *= (grad_weights / temperature)[:, None]
                 grad[sl] = (g.to(lm_head.dtype) @ lm_head).float()
         if need_grad:
             ctx.save_for_backward(grad)
@@ -167,7 +182,7 @@ class _VocabLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total, None, None, None, None, None, None, None
+        return grad * grad_total, None, None, None, None, None, None, None, None
 
 
 def block_loss(
@@ -183,6 +198,7 @@ def block_loss(
     temperature: float = 1.0,
     chunk_rows: int = 1024,
     sample_slots: torch.Generator | None = None,
+    tv_eta: float | None = None,
 ) -> LossOutput:
     """draft_hidden: [Bsz, N, B, H] (slot 0 included, ignored); target_final_hidden: [Bsz, T, H].
 
@@ -194,6 +210,8 @@ def block_loss(
     uniform per block keeps a prefix of its slots; the loss is the same in expectation for about
     sum(w) / (B-1) of the vocabulary projections (44% at gamma 7, block 16). slot_valid then marks the
     kept slots; pass slot_weights(...) to acceptance_stats as keep_prob.
+
+    tv_eta: with "ce" / "ce_target", the LK hybrid of CE and total variation (_VocabLoss); None: plain CE.
     """
     if kind not in ("kl", "ce", "ce_target"):
         raise ValueError(f"loss kind must be 'kl', 'ce' or 'ce_target', got {kind!r}")
@@ -201,6 +219,8 @@ def block_loss(
         raise ValueError("the KL loss needs the target's final normed hidden states")
     if kind == "ce_target" and choices is None:
         raise ValueError("the ce_target loss needs the target's greedy choices")
+    if kind == "kl" and tv_eta is not None:
+        raise ValueError("tv_eta (the CE/TV hybrid) applies to the ce and ce_target losses, not kl")
     head = head if isinstance(head, HeadVocabulary) else HeadVocabulary(head)
     bsz, n_blocks, block_size, hidden = draft_hidden.shape
     weights = slot_weights(block_size, gamma, draft_hidden.device).expand(bsz, n_blocks, -1)
@@ -218,7 +238,7 @@ def block_loss(
     row_weights = weights[rows]
 
     total, correct = _VocabLoss.apply(draft_rows, target_rows, labels, row_weights, head.weight,
-                                      "kl" if kind == "kl" else "ce", temperature, chunk_rows)
+                                      "kl" if kind == "kl" else "ce", temperature, chunk_rows, tv_eta)
     slot_correct = torch.zeros_like(targets.valid)
     slot_correct[rows] = correct
     loss = total / expected_weight.clamp_min(1e-6)

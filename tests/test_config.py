@@ -57,6 +57,12 @@ def test_max_steps_must_be_at_least_one():
             load_config(None, [f"train.max_steps={bad}"])
 
 
+def test_the_tv_blend_needs_a_ce_loss():
+    assert load_config(None, ["train.loss=ce_target", "train.tv_eta=3"]).train.tv_eta == 3.0
+    with pytest.raises(ConfigError, match=r"train\.tv_eta blends total variation into a CE loss"):
+        load_config(None, ["train.loss=kl", "train.tv_eta=3"])
+
+
 def test_auto_dtype_is_bf16_only_where_the_hardware_multiplies_it_natively():
     import torch
 

@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -154,6 +155,41 @@ def test_ce_target_trains_toward_the_targets_greedy_token_not_the_data_token():
     # the data tokens give a different loss: the labels really are the target's choices
     data = block_loss(draft, t, target, input_ids, head, gamma=7.0, kind="ce")
     assert not torch.allclose(out.loss, data.loss)
+
+
+def test_the_tv_blend_is_its_formula_and_moves_the_step_to_rows_the_drafter_can_win():
+    input_ids, loss_mask, anchors, anchor_valid, draft, target, head = _setup()
+    t = block_targets(anchors, anchor_valid, loss_mask, 8)
+    choices = target_choices(target, head)
+    ours = draft.detach().clone().requires_grad_(True)
+    out = block_loss(ours, t, target, input_ids, head, gamma=7.0, kind="ce_target", choices=choices, tv_eta=3.0,
+                     chunk_rows=1 << 20)
+    out.loss.backward()
+    # the same loss written out for autograd: lam * CE + (1 - lam) * (1 - q(y)), lam from the mean q(y)
+    ref = draft.detach().clone().requires_grad_(True)
+    b, n, k = t.valid.nonzero(as_tuple=True)
+    label = choices[b, t.positions[b, n, k] - 1]
+    label_logp = F.log_softmax(ref[b, n, k + 1] @ head.T, -1).gather(-1, label[:, None])[:, 0]
+    q, w = label_logp.exp(), slot_weights(8, 7.0)[k]
+    lam = torch.exp(-3.0 * (q.detach() * w).sum() / w.sum())
+    expected = (w * (lam * -label_logp + (1 - lam) * (1 - q))).sum() / w.sum()
+    expected.backward()
+    assert 0 < float(lam) < 1
+    assert torch.allclose(out.loss, expected, atol=1e-5)
+    assert torch.allclose(ours.grad, ref.grad, atol=1e-6)
+    # against plain CE, the rows with the lowest q(y) get a smaller share of the gradient
+    ce = draft.detach().clone().requires_grad_(True)
+    block_loss(ce, t, target, input_ids, head, gamma=7.0, kind="ce_target", choices=choices).loss.backward()
+    hard = q.detach() < q.detach().median()
+    share = lambda grad: (grad[b, n, k + 1].norm(dim=-1)[hard].sum() / grad[b, n, k + 1].norm(dim=-1).sum()).item()
+    assert share(ours.grad) < share(ce.grad)
+
+
+def test_the_tv_blend_is_refused_with_the_kl_loss():
+    input_ids, loss_mask, anchors, anchor_valid, draft, target, head = _setup()
+    t = block_targets(anchors, anchor_valid, loss_mask, 8)
+    with pytest.raises(ValueError, match="tv_eta"):
+        block_loss(draft, t, target, input_ids, head, gamma=7.0, kind="kl", tv_eta=3.0)
 
 
 def test_a_reduced_head_is_the_full_softmax_over_its_rows_and_misses_labels_outside_it():

@@ -81,3 +81,32 @@ def test_row_key_depends_on_every_token():
     assert row_key([1, 2, 3]) == row_key(torch.tensor([1, 2, 3]))
     assert row_key([1, 2, 3]) != row_key([1, 2, 4])
     assert row_key([1, 2, 3]) != row_key([1, 2, 3, 0])
+
+
+def test_greedy_choices_of_regenerated_responses_are_read_not_projected_again(regenerated, model):
+    # Training's labels (the target's greedy choice after every position) over a greedily regenerated row:
+    # inside the response they are the next tokens the decode steps chose, so only the prompt and the last
+    # position go through the lm_head. The result equals projecting every position.
+    from configs.schema import load_config
+    from data.mixture import greedy_response_spans
+    from drafters.capture import Captured
+    from train.batches import collate
+    from train.features import TargetChoices
+
+    out, dataset = regenerated
+    known = RegeneratedFeatures(features_dir(out, LAYERS))
+    spans = greedy_response_spans(load_config(None), dataset)
+    assert spans == [(p - 1, p + g - 1) for p, g in zip(dataset["num_prompt_tokens"], dataset["num_generated"])]
+    head = model.lm_head.weight.detach()
+    read, projected = TargetChoices(head, 16, next_token_spans=spans), TargetChoices(head, 16)
+    for i in range(len(dataset)):
+        batch = collate(dataset, [i], 1024, pad_id=0)
+        kept = known.lookup(batch.input_ids[0])
+        captured = Captured(kept.selected[None], kept.final_hidden[None])
+        assert torch.equal(read(batch, captured), projected(batch, captured))
+    total = sum(len(ids) for ids in dataset["input_ids"])
+    assert projected.projected_positions == total
+    assert read.projected_positions == total - sum(dataset["num_generated"])  # the prompt but its last position, and the last
+    # A sampled regeneration, a prepared dataset or stage 2 holds text the target did not choose greedily.
+    assert greedy_response_spans(load_config(None, ["data.mixture.temperature=0.7"]), dataset) is None
+    assert greedy_response_spans(load_config(None, ["train.stage=finetune"]), dataset) is None

@@ -40,6 +40,7 @@ from common.atomic_files import write_json_atomic
 from common.dtypes import native_bf16
 from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
                                  load_checkpoint, save_checkpoint)
+from data.mixture import greedy_response_spans
 from train.features import TargetChoices, choices_store, feature_source
 from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, copy_loss, copy_sources,
                                 default_gamma, greedy_path, most_frequent_tokens, slot_weights)
@@ -264,11 +265,16 @@ class Objective:
         tc, log = config.train, accelerator.print
         needs_choices = tc.anchor_scope == "sequence" or tc.loss == "ce_target"
         choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk, store=choices_store(features_of),
-                                   num_rows=len(dataset), writes=accelerator.is_main_process) if needs_choices else None
+                                   num_rows=len(dataset), writes=accelerator.is_main_process,
+                                   next_token_spans=greedy_response_spans(config, dataset)) if needs_choices else None
         if choices_of is not None and choices_of.loaded:
             log(f"[train] the target's greedy choices of every row read from {choices_of.store}")
         head_vocab = training_head(head.lm_head.weight, tc.head_vocab, log, lambda: emitted_token_counts(
             dataset, features_of, choices_of, tc.batch_size, config.data.max_seq_len, pad_id, head.vocab_size))
+        if choices_of is not None and choices_of.projected_positions:
+            known = sum(len(row) for row in choices_of.rows.values())
+            log(f"[train] the target's greedy choices: {choices_of.projected_positions} of {known} positions projected "
+                f"onto the vocabulary, the rest read from its greedy responses")
         return cls(tc, draft_config.block_size, head, head_vocab, choices_of, accelerator)
 
     def __call__(self, drafter, batch: Batch, features: Captured, generator: torch.Generator):
@@ -291,7 +297,8 @@ class Objective:
         targets = block_targets(anchors, anchor_valid, supervised.to(self.device), self.block_size, on_path)
         out = block_loss(hidden.float(), targets, features.final_hidden, input_ids, self.head_vocab,
                          gamma=self.gamma, kind=tc.loss, choices=choices, temperature=tc.kl_temperature,
-                         chunk_rows=tc.logits_chunk, sample_slots=generator if tc.sample_slots else None)
+                         chunk_rows=tc.logits_chunk, sample_slots=generator if tc.sample_slots else None,
+                         tv_eta=tc.tv_eta)
         if copy is not None:
             out.loss = out.loss + tc.copy_weight * copy.loss
             out.copy_mass = copy.mass

@@ -178,11 +178,17 @@ class TargetChoices:
     store: a file beside an offline feature cache. Once every row is known they are written there (by the
     process that `writes`), and a later run on the same cache and the same lm_head (its sha256 is in the
     file) reads them instead of projecting every cached position again.
+
+    next_token_spans: per row, positions [lo, hi) whose choice is simply the next token, because the target
+    wrote it greedily (data.mixture.greedy_response_spans): the decode step already paid for that argmax.
     """
 
     def __init__(self, lm_head_weight: torch.Tensor, chunk_rows: int, *, store: Path | None = None,
-                 num_rows: int | None = None, writes: bool = True):
+                 num_rows: int | None = None, writes: bool = True,
+                 next_token_spans: list[tuple[int, int]] | None = None):
         self.lm_head_weight, self.chunk_rows = lm_head_weight, chunk_rows
+        self.next_token_spans = next_token_spans
+        self.projected_positions = 0  # positions this object ran through the lm_head
         self.rows: dict[int, torch.Tensor] = {}
         self.store, self.num_rows, self.writes = store, num_rows, writes
         self.head_sha256 = _weight_sha256(lm_head_weight) if store else None
@@ -218,8 +224,18 @@ class TargetChoices:
         for b, i in enumerate(batch.indices):
             if i not in self.rows:
                 n = int(lengths[b])
-                choices = target_choices(captured.final_hidden[b : b + 1, :n], self.lm_head_weight, self.chunk_rows)
-                self.rows[i] = choices[0].to(device="cpu", dtype=torch.int32)
+                lo, hi = self.next_token_spans[i] if self.next_token_spans is not None else (0, 0)
+                lo, hi = max(lo, 0), min(hi, n - 1)
+                projected = torch.ones(n, dtype=torch.bool)
+                choices = torch.empty(n, dtype=torch.int32)
+                if hi > lo:
+                    projected[lo:hi] = False
+                    choices[lo:hi] = batch.input_ids[b, lo + 1 : hi + 1].to(torch.int32)
+                hidden = captured.final_hidden[b, :n][projected.to(captured.final_hidden.device)]
+                choices[projected] = target_choices(hidden[None], self.lm_head_weight, self.chunk_rows)[0].to(
+                    device="cpu", dtype=torch.int32)
+                self.projected_positions += len(hidden)
+                self.rows[i] = choices
                 computed = True
         if computed and self.store is not None and self.writes and len(self.rows) == self.num_rows:
             self._save()

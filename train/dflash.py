@@ -38,9 +38,9 @@ from drafters.capture import Captured
 from train.batches import Batch, DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
 from common.atomic_files import write_json_atomic
 from common.dtypes import native_bf16
+from data.mixture import greedy_response_spans
 from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
                                  load_checkpoint, save_checkpoint)
-from data.mixture import greedy_response_spans
 from train.features import TargetChoices, choices_store, feature_source
 from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, copy_loss, copy_sources,
                                 default_gamma, greedy_path, most_frequent_tokens, slot_weights)

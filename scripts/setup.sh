@@ -9,6 +9,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$VENV"
 fi
 . "$VENV/bin/activate"
+# No wheel cache: the environment is a few GB, and a cached copy of every wheel doubled the disk it
+# needed (a CI machine ran out of space mid-install).
+export PIP_NO_CACHE_DIR=1
 
 # The local CPU wheel first: the package's torch range then installs nothing more (no CUDA build).
 pip install -q torch==2.13.0

@@ -7,7 +7,7 @@ dotted path named. Command-line overrides use dotted paths: `train.lr=3e-4 draft
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -144,6 +144,9 @@ class TrainConfig(Strict):
     copy_heads: int = Field(0, ge=0)
     copy_weight: float = Field(0.1, gt=0)
     copy_query: Literal["anchor", "slot"] = "slot"
+    # Rows of these dataset categories appear this many times per epoch (e.g. {chat: 2}): more passes over a
+    # category whose sources hold few prompts, without more regeneration.
+    category_repeats: dict[str, Annotated[int, Field(ge=1)]] = {}
     # Anchor-slot rows per vocabulary projection chunk: bounds the live logits to chunk x vocab.
     logits_chunk: int = Field(1024, ge=1)
     precision: Literal["auto", "bf16", "fp32"] = "auto"

@@ -45,9 +45,24 @@ class Batch:
     loss_mask: torch.Tensor      # [Bsz, T] bool, False on padding
 
 
-def epoch_batches(num_rows: int, batch_size: int, *, seed: int, epoch: int) -> list[list[int]]:
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
-    return [order[i : i + batch_size] for i in range(0, num_rows, batch_size)]
+def epoch_rows(dataset: Dataset, name: str, repeats: dict[str, int]) -> list[int]:
+    """The rows one epoch visits: each once, and each row of a category in `repeats` that many times
+    (oversampling a category the sources hold few prompts of)."""
+    if not repeats:
+        return list(range(len(dataset)))
+    if "category" not in dataset.column_names:
+        raise DatasetError(f"train.category_repeats needs a 'category' column; dataset {name!r} has {dataset.column_names}")
+    categories = dataset["category"]
+    absent = sorted(set(repeats) - set(categories))
+    if absent:
+        raise DatasetError(f"train.category_repeats names {absent}, which no row of dataset {name!r} has "
+                           f"(its categories: {sorted(set(categories))})")
+    return [row for row, category in enumerate(categories) for _ in range(repeats.get(category, 1))]
+
+
+def epoch_batches(rows: list[int], batch_size: int, *, seed: int, epoch: int) -> list[list[int]]:
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    return [[rows[i] for i in order[start : start + batch_size]] for start in range(0, len(rows), batch_size)]
 
 
 def shard_batches(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:

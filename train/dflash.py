@@ -35,7 +35,8 @@ from drafters.frozen_target import FrozenTargetHead
 from drafters.model import DFlashDrafter
 from drafters.target_loading import load_target_config
 from drafters.capture import Captured
-from train.batches import Batch, DatasetError, check_training_dataset, collate, epoch_batches, shard_batches
+from train.batches import (Batch, DatasetError, check_training_dataset, collate, epoch_batches, epoch_rows,
+                           shard_batches)
 from common.atomic_files import write_json_atomic
 from common.dtypes import native_bf16
 from data.mixture import greedy_response_spans
@@ -93,7 +94,11 @@ def train(config: PipelineConfig) -> Path:
     drafter = initial_drafter(config, target_path, target_config, log)
     draft_config = drafter.config
     dataset = training_dataset(config, target_path, accelerator, drafter.target_layer_ids)
-    check_training_dataset(dataset, str(config.data.dataset or config.train.stage), config.data.max_seq_len)
+    dataset_name = str(config.data.dataset or config.train.stage)
+    check_training_dataset(dataset, dataset_name, config.data.max_seq_len)
+    rows = epoch_rows(dataset, dataset_name, tc.category_repeats)
+    if tc.category_repeats:
+        log(f"[train] an epoch visits {len(rows)} rows: {len(dataset)} sequences, {tc.category_repeats} repeated")
 
     head_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     head = FrozenTargetHead.from_pretrained(target_path, dtype=head_dtype, device=accelerator.device)
@@ -101,7 +106,7 @@ def train(config: PipelineConfig) -> Path:
     drafter.train()
 
     rank, world = accelerator.process_index, accelerator.num_processes
-    total_steps = count_steps(len(dataset), tc, rank, world)
+    total_steps = count_steps(rows, tc, rank, world)
     optimizer, scheduler = make_optimizer(drafter, tc, total_steps)
     drafter, optimizer = prepare(accelerator, drafter, optimizer, tc)
     parts = {"model": drafter, "optimizer": optimizer, "scheduler": scheduler}
@@ -118,7 +123,7 @@ def train(config: PipelineConfig) -> Path:
     window, health = _new_window(), StepHealth()
 
     while state.step < total_steps:
-        batches = shard_batches(epoch_batches(len(dataset), tc.batch_size, seed=tc.seed, epoch=state.epoch), rank, world)
+        batches = shard_batches(epoch_batches(rows, tc.batch_size, seed=tc.seed, epoch=state.epoch), rank, world)
         usable = len(batches) - len(batches) % tc.grad_accum
         for batch_idx in range(state.batch_in_epoch, usable):
             batch = collate(dataset, batches[batch_idx], config.data.max_seq_len, pad_id)
@@ -191,11 +196,11 @@ def initial_drafter(config: PipelineConfig, target_path: Path, target_config, lo
     return DFlashDrafter(resolve_draft_config(config, target_path, target_config))
 
 
-def count_steps(num_rows: int, tc, rank: int, world: int) -> int:
+def count_steps(rows: list[int], tc, rank: int, world: int) -> int:
     """Optimizer steps of the run: every process takes the same number of batches, tc.grad_accum per step."""
-    batches_per_epoch = len(shard_batches(epoch_batches(num_rows, tc.batch_size, seed=tc.seed, epoch=0), rank, world))
+    batches_per_epoch = len(shard_batches(epoch_batches(rows, tc.batch_size, seed=tc.seed, epoch=0), rank, world))
     if batches_per_epoch < tc.grad_accum:
-        raise DatasetError(f"{num_rows} sequences give {batches_per_epoch} batches per process, fewer than grad_accum={tc.grad_accum}")
+        raise DatasetError(f"{len(rows)} sequences give {batches_per_epoch} batches per process, fewer than grad_accum={tc.grad_accum}")
     return tc.max_steps or batches_per_epoch // tc.grad_accum * tc.epochs
 
 

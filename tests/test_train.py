@@ -148,6 +148,42 @@ def test_dataset_without_loss_mask_fails_before_training(workspace):
     assert not out.exists() or not list_checkpoints(out)
 
 
+def test_category_repeats_visit_a_category_more_often_and_unknown_ones_are_refused(workspace):
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(20, 2000, (40,), generator=g).tolist(), "loss_mask": [0] * 8 + [1] * 32,
+             "category": "chat" if i < 2 else "code"} for i in range(8)]
+    Dataset.from_list(rows).save_to_disk(str(workspace / "two_categories"))
+    data = f"data.dataset={workspace / 'two_categories'}"
+    one_epoch = ("train.max_steps=", "train.epochs=1", "train.save_every=100")
+
+    out = workspace / "chat_thrice"
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out, data, *one_epoch,
+                                                      "train.category_repeats={chat: 3}")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    # 6 code rows once and 2 chat rows three times: 12 rows, 6 batches of 2 (4 without the repeats)
+    assert "an epoch visits 12 rows: 8 sequences" in result.stdout
+    assert read_trainer_state(list_checkpoints(out)[-1]).step == 6
+
+    refused = workspace / "prose_repeats"
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, refused, data, "train.category_repeats={prose: 2}")])
+    assert result.returncode == 2
+    assert "train.category_repeats names ['prose']" in result.stderr and "['chat', 'code']" in result.stderr
+    assert not refused.exists() or not list_checkpoints(refused)
+
+
+def test_epoch_order_repeats_rows_and_is_the_plain_order_without_repeats():
+    from train.batches import epoch_batches, epoch_rows
+
+    dataset = Dataset.from_list([{"input_ids": [1, 2], "loss_mask": [1, 1], "category": c}
+                                 for c in ["code", "chat", "prose", "chat", "code"]])
+    rows = epoch_rows(dataset, "five", {"chat": 2})
+    batches = epoch_batches(rows, 3, seed=0, epoch=1)
+    visited = sorted(r for b in batches for r in b)
+    assert visited == [0, 1, 1, 2, 3, 3, 4] and [len(b) for b in batches] == [3, 3, 1]
+    plain = epoch_batches(epoch_rows(dataset, "five", {}), 2, seed=0, epoch=1)
+    assert [r for b in plain for r in b] == torch.randperm(5, generator=torch.Generator().manual_seed(1)).tolist()
+
+
 def test_drafter_that_does_not_fit_the_target_is_refused(workspace):
     result = _run([sys.executable, str(TRAIN), *_args(workspace, workspace / "bad", "drafter.target_layer_ids=[1,9]")])
     assert result.returncode == 2

@@ -280,6 +280,15 @@ class PipelineConfig(Strict):
         if builds_mixture and self.data.mixture.prefilled_samples and self.train.anchor_scope != "sequence":
             raise ValueError("data.mixture.prefilled_samples > 0 needs train.anchor_scope: sequence (prefilled "
                              "responses are not the target's text and train only along its greedy path)")
+        mixture = self.data.mixture
+        built = {c for c, w in mixture.weights.items() if w > 0}
+        if mixture.prefilled_samples:
+            built |= {c for c, w in mixture.prefilled_weights.items() if w > 0}
+        # Checked here, not after regeneration: the mixture's categories are known before any of it runs.
+        unknown = sorted(set(self.train.category_repeats) - built) if builds_mixture else []
+        if unknown:
+            raise ValueError(f"train.category_repeats names {unknown}, which the mixture does not build "
+                             f"(data.mixture categories: {sorted(built)})")
         return self
 
 

@@ -63,6 +63,14 @@ def test_the_tv_blend_needs_a_ce_loss():
         load_config(None, ["train.loss=kl", "train.tv_eta=3"])
 
 
+def test_category_repeats_must_name_a_category_the_mixture_builds():
+    assert load_config(None, ["train.category_repeats={chat: 2}"]).train.category_repeats == {"chat": 2}
+    with pytest.raises(ConfigError, match=r"train\.category_repeats names \['caht'\], which the mixture does not build"):
+        load_config(None, ["train.category_repeats={caht: 2}"])
+    with pytest.raises(ConfigError, match=r"'train\.category_repeats\.chat': Input should be greater than or equal to 1"):
+        load_config(None, ["train.category_repeats={chat: 0}"])
+
+
 def test_auto_dtype_is_bf16_only_where_the_hardware_multiplies_it_natively():
     import torch
 

@@ -307,6 +307,17 @@ def _prose_prompts(doc: Document, rng: random.Random, max_chars: int) -> Iterato
 
 MTBENCH_TWO_TURNS = "{first}\n\nWhen you have done that, also do the following: {second}"
 
+# Chat prompts on passes after the first: the same question asked another way, so the target writes a new
+# answer instead of the same greedy one again (the chat sources hold about 800 training questions). Pass p
+# uses phrasing (p - 1 + a per-question offset) mod len: distinct for the first len passes after the first.
+CHAT_REPHRASINGS = (
+    "{question} Please explain in detail.",
+    "{question} Give an example.",
+    "Explain to a beginner: {question}",
+    "{question} Answer in a few sentences.",
+    'A friend asked me: "{question}" How should I answer?',
+)
+
 
 # ---- assembly -------------------------------------------------------------------------------------
 
@@ -317,12 +328,19 @@ def _document_prompts(doc: Document, seed: int, max_chars: int, pass_index: int)
     if doc.category == "chat":
         if not doc.turns or len(doc.turns[0]) > max_chars:
             return
+        def asked(question: str) -> str:
+            if pass_index == 0:
+                return question
+            offset = int(unit_hash(f"rephrase\x00{seed}\x00{doc.id}") * len(CHAT_REPHRASINGS))
+            return CHAT_REPHRASINGS[(pass_index - 1 + offset) % len(CHAT_REPHRASINGS)].format(question=question)
+
         followups = tuple(t for t in doc.turns[1:] if len(t) <= max_chars) if doc.source == "mtbench" else ()
-        yield Prompt(id=f"{doc.id}#0{suffix}", category="chat", messages=_user(doc.turns[0]), source=doc.source,
-                     document_id=doc.id, task="question", followups=followups)
+        if len(asked(doc.turns[0])) <= max_chars:
+            yield Prompt(id=f"{doc.id}#0{suffix}", category="chat", messages=_user(asked(doc.turns[0])),
+                         source=doc.source, document_id=doc.id, task="question", followups=followups)
         if doc.source == "mtbench" and len(doc.turns) >= 2:
             # The second turn refers to the first answer; as a single message both requests go together.
-            content = MTBENCH_TWO_TURNS.format(first=doc.turns[0], second=doc.turns[1])
+            content = asked(MTBENCH_TWO_TURNS.format(first=doc.turns[0], second=doc.turns[1]))
             if len(content) <= max_chars:
                 yield Prompt(id=f"{doc.id}#1{suffix}", category="chat", messages=_user(content), source=doc.source,
                              document_id=doc.id, task="two_turns")
@@ -351,7 +369,7 @@ def iter_document_prompts(docs: Iterable[Document], seed: int = 0, max_chars: in
     document, then excerpt 1, ...), so any prefix of the stream is spread over many documents.
 
     ``passes`` > 1 (or None: endless) repeats the corpus with fresh seeded excerpt boundaries and task
-    choices; later passes' prompt ids end in ``@<pass>``."""
+    choices, and chat questions rephrased (``CHAT_REPHRASINGS``); later passes' prompt ids end in ``@<pass>``."""
     if max_chars <= 0:
         raise ValueError(f"max_chars must be positive, got {max_chars}")
     docs = _dedupe_chat(list(docs))

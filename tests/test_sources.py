@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from data import sources
+from data.prompts import CHAT_REPHRASINGS
 from data.sources import (
     CATEGORIES,
     CorpusPackage,
@@ -251,6 +252,20 @@ def test_chat_prompts():
     contents = [p.messages[0]["content"].lower() for p in chatter]
     assert len(contents) == len(set(contents))  # one prompt per distinct opening utterance
     assert "what is ai?" in contents
+
+
+def test_chat_passes_after_the_first_ask_each_question_another_way():
+    docs = [d for d in load_corpus("chat", "train") if d.source == "mtbench"][:3] + \
+        [d for d in load_corpus("chat", "train") if d.source == "chatterbot"][:3]
+    passes = len(CHAT_REPHRASINGS) + 1
+    prompts = list(iter_document_prompts(docs, seed=0, max_chars=4000, passes=passes))
+    first = {p.id: p.messages[0]["content"] for p in prompts if "@" not in p.id}
+    assert {(p.source, p.task) for p in prompts} == {("mtbench", "question"), ("mtbench", "two_turns"),
+                                                     ("chatterbot", "question")}
+    for prompt_id, content in first.items():
+        asked = [p.messages[0]["content"] for p in prompts if p.id.split("@")[0] == prompt_id]
+        assert len(asked) == passes and len(set(asked)) == passes  # a new phrasing on every pass
+        assert all(content in a for a in asked)
 
 
 @pytest.mark.parametrize("category", CATEGORIES)

@@ -47,7 +47,11 @@ def mixture_prompts(config: PipelineConfig, split: str = "train") -> list:
             continue
         stream = iter_prompts(category, split, seed=config.data.seed, max_chars=mixture.max_prompt_tokens * CHARS_PER_TOKEN,
                               heldout_fraction=mixture.heldout_fraction, passes=None)
-        prompts.extend(islice(stream, count))
+        drawn = list(islice(stream, count))
+        if len(drawn) < count:
+            print(f"[data] {category}: the sources give {len(drawn)} distinct prompts, fewer than the {count} the mixture "
+                  "weights ask for; the mixture has fewer samples", flush=True)
+        prompts.extend(drawn)
     return prompts
 
 

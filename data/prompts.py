@@ -309,7 +309,8 @@ MTBENCH_TWO_TURNS = "{first}\n\nWhen you have done that, also do the following: 
 
 # Chat prompts on passes after the first: the same question asked another way, so the target writes a new
 # answer instead of the same greedy one again (the chat sources hold about 800 training questions). Pass p
-# uses phrasing (p - 1 + a per-question offset) mod len: distinct for the first len passes after the first.
+# uses phrasing (p - 1 + a per-question offset) mod len; past the last phrasing a question has nothing new to ask
+# and yields no more prompts (the same prompt would be regenerated into the same answer).
 CHAT_REPHRASINGS = (
     "{question} Please explain in detail.",
     "{question} Give an example.",
@@ -326,7 +327,7 @@ def _document_prompts(doc: Document, seed: int, max_chars: int, pass_index: int)
     rng = _rng("prompts", seed, pass_index, doc.id)
     suffix = "" if pass_index == 0 else f"@{pass_index}"
     if doc.category == "chat":
-        if not doc.turns or len(doc.turns[0]) > max_chars:
+        if not doc.turns or len(doc.turns[0]) > max_chars or pass_index > len(CHAT_REPHRASINGS):
             return
         def asked(question: str) -> str:
             if pass_index == 0:
@@ -368,8 +369,9 @@ def iter_document_prompts(docs: Iterable[Document], seed: int = 0, max_chars: in
     """Prompts of the given documents, round-robin over a seeded shuffle of them (excerpt 0 of every
     document, then excerpt 1, ...), so any prefix of the stream is spread over many documents.
 
-    ``passes`` > 1 (or None: endless) repeats the corpus with fresh seeded excerpt boundaries and task
-    choices, and chat questions rephrased (``CHAT_REPHRASINGS``); later passes' prompt ids end in ``@<pass>``."""
+    ``passes`` > 1 (or None: until no document has a new prompt) repeats the corpus with fresh seeded excerpt
+    boundaries and task choices, and chat questions rephrased (``CHAT_REPHRASINGS``, so chat runs out after
+    ``len(CHAT_REPHRASINGS) + 1`` passes); later passes' prompt ids end in ``@<pass>``."""
     if max_chars <= 0:
         raise ValueError(f"max_chars must be positive, got {max_chars}")
     docs = _dedupe_chat(list(docs))

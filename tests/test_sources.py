@@ -266,6 +266,8 @@ def test_chat_passes_after_the_first_ask_each_question_another_way():
         asked = [p.messages[0]["content"] for p in prompts if p.id.split("@")[0] == prompt_id]
         assert len(asked) == passes and len(set(asked)) == passes  # a new phrasing on every pass
         assert all(content in a for a in asked)
+    # Past the last phrasing there is nothing new to ask: the endless stream ends instead of repeating prompts.
+    assert len(list(iter_document_prompts(docs, seed=0, max_chars=4000, passes=None))) == len(prompts)
 
 
 @pytest.mark.parametrize("category", CATEGORIES)

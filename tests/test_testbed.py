@@ -62,3 +62,12 @@ def test_tiny_targets_have_the_real_architectures():
     assert len(out.hidden_states) == kimi.config.num_hidden_layers + 1
     # Deterministic for a seed: two builds hold the same weights.
     assert torch.equal(tiny_llama_target().model.embed_tokens.weight, llama.model.embed_tokens.weight)
+
+
+def test_setup_refuses_a_new_environment_before_installing_when_the_disk_lacks_room(tmp_path):
+    venv = tmp_path / "venv"
+    env = {"PATH": "/usr/bin:/bin", "DFLASH_VENV": str(venv), "DFLASH_SETUP_MIN_FREE_GB": str(10**9)}
+    result = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh")], env=env, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert f"GB free on the disk of {tmp_path}, a new environment needs {10**9} GB" in result.stderr
+    assert not venv.exists()

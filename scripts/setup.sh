@@ -9,6 +9,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     # A new environment takes about 4 GB (1.8 GB without the engine) and pip unpacks each wheel beside it:
     # refuse before installing anything rather than fail halfway through with ENOSPC.
     need_gb="${DFLASH_SETUP_MIN_FREE_GB:-8}"
+    mkdir -p "$(dirname "$VENV")"  # venv would create it anyway; df needs a path that exists
     free_gb=$(df -Pk "$(dirname "$VENV")" | awk 'NR==2 {print int($4 / 1048576)}')
     if [ "$free_gb" -lt "$need_gb" ]; then
         echo "setup.sh: $free_gb GB free on the disk of $(dirname "$VENV"), a new environment needs $need_gb GB" \

@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     cache = Path(args.cache)
     key = {"target": str(target.resolve()), "prompts": args.prompts, "new_tokens": args.new_tokens}
-    traces = torch.load(cache) if cache.exists() else None
+    traces = torch.load(cache, weights_only=True) if cache.exists() else None
     if traces is None or traces["key"] != key:
         tokenizer = AutoTokenizer.from_pretrained(target)
         traces = {"key": key, "categories": continuations(model, tokenizer, args.prompts, args.new_tokens)}

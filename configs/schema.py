@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: an `inf` or `nan` setting (train.lr=inf) is refused at load, not trained with.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TargetConfig(Strict):
@@ -31,6 +32,10 @@ class TargetConfig(Strict):
     # Run the Python code a target folder ships (config.json / tokenizer_config.json auto_map), e.g. Kimi K2's
     # tokenizer. Off: such a folder is refused with an error naming this key.
     trust_remote_code: bool = False
+    # How caches recognise the target (drafters/target_fingerprint.py): "content" hashes every file once per
+    # run; "sidecar" reads per-file hashes from dflash-fingerprint.json beside the weights (multi-TB targets:
+    # rewrite it whenever a file changes).
+    fingerprint: Literal["content", "sidecar"] = "content"
 
 
 class DrafterConfig(Strict):
@@ -163,6 +168,14 @@ class TrainConfig(Strict):
     resume_allow_config_change: bool = False
     # Non-finite loss or gradient norm: the step is skipped; this many in a row stop the run.
     max_nonfinite_steps: int = Field(3, ge=1)
+    # Finite blow-ups (train/divergence.py): the run stops (exit 3) when the loss's moving average stays above
+    # divergence_loss_factor x its lowest, the gradient norm's above divergence_grad_norm_factor x its
+    # lowest, or the weights' norm above divergence_weight_norm_factor x its value at the run's first step,
+    # for divergence_patience steps in a row. None turns a check off.
+    divergence_loss_factor: float | None = Field(4.0, gt=1)
+    divergence_grad_norm_factor: float | None = Field(100.0, gt=1)
+    divergence_weight_norm_factor: float | None = Field(10.0, gt=1)
+    divergence_patience: int = Field(20, ge=1)
     save_every: int = Field(200, ge=1)
     keep_last: int = Field(2, ge=1)
     # Every N steps also keep a serving-format copy of the drafter under output_dir/snapshots/ (a few MB
@@ -312,7 +325,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key or key.startswith(".") or key.endswith("."):
         raise ConfigError(f"override {text!r} is not of the form section.key=value")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({getattr(err, 'problem', None) or err})") from None
     return key.strip(), value
 
 
@@ -327,17 +343,36 @@ def _describe(err: ValidationError, source: str) -> str:
     return f"invalid configuration ({source}):\n  " + "\n  ".join(lines)
 
 
+def read_config_file(path: str | Path) -> dict:
+    """The mapping a YAML config file holds. An empty or comment-only file, a bare `---`, a file whose top
+    level is not a mapping, or one YAML cannot parse is refused with the file (and line) named: it never
+    runs as the default job."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist" if not path.exists() else f"config file {path} is not a file")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        reason = " ".join(str(part) for part in (getattr(err, "context", None), getattr(err, "problem", None)) if part)
+        raise ConfigError(f"config file {path}{where}: not valid YAML ({reason or err})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {err.start})") from None
+    if loaded is None:
+        raise ConfigError(f"config file {path} is empty (no settings, only comments or `---`); refusing to run the "
+                          "default job from it. Start from one of configs/*.yaml")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections at the top level, "
+                          f"not a {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
     tree: dict = {}
     source = "defaults"
     if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        tree, source = loaded, str(path)
+        tree, source = read_config_file(path), str(path)
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)

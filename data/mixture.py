@@ -86,12 +86,13 @@ def prefilled_rows(config: PipelineConfig, tokenizer) -> list[dict]:
 
 
 def mixture_key(config: PipelineConfig, target_path: Path) -> str:
-    target_config = (Path(target_path) / "config.json").read_bytes()
+    from drafters.target_fingerprint import target_fingerprint
+
     # Settings that do not change the regenerated text stay out of the key (hf: caches made before the
     # backend setting existed keep their key).
     ignored = {"prefilled_samples", "prefilled_weights"} | ({"generation_backend"} if config.data.mixture.generation_backend == "hf" else set())
     settings = {"mixture": config.data.mixture.model_dump(mode="json", exclude=ignored), "seed": config.data.seed,
-                "target": str(Path(target_path).resolve()), "target_config": hashlib.sha256(target_config).hexdigest()}
+                "target": target_fingerprint(target_path, config.target.fingerprint)}  # its content, not its path
     compute_dtype = dtype_name(torch_dtype(config.target.dtype))
     if compute_dtype != "bfloat16":  # greedy text differs between dtypes at near-ties; bf16 caches keep their key
         settings["target_dtype"] = compute_dtype
@@ -137,6 +138,7 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
         temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
         dtype=config.target.dtype, backend=mixture.generation_backend, feature_layers=feature_layers,
         trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking,
+        fingerprint=config.target.fingerprint,
     )
     if not mixture.prefilled_samples:
         return regenerated

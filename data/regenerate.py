@@ -41,6 +41,7 @@ from common.locks import FileLock
 from data.chat_masks import PromptLike, build_from_generation, load_tokenizer, prompt_field, prompt_ids
 from data.generation import BatchGenerator, stop_token_ids
 from data.regenerated_features import features_dir, write_batch_features
+from drafters.target_fingerprint import target_fingerprint
 from drafters.target_loading import load_target_config
 
 DATASET_DIR = "dataset"
@@ -249,6 +250,7 @@ def regenerate(
     feature_layers: list[int] | None = None,
     trust_remote_code: bool = False,
     thinking: bool | None = None,
+    fingerprint: str = "content",
 ):
     """Regenerate every prompt's response with the target at ``target_path``; return the final dataset.
 
@@ -283,7 +285,7 @@ def regenerate(
     context = getattr(load_target_config(target_path, trust_remote_code), "max_position_embeddings", None)
     valid, quarantined = _screen_prompts(items, tokenizer, max_prompt_tokens, max_new_tokens, context)
     settings = {
-        "target_path": str(target_path.resolve()),
+        "target": target_fingerprint(target_path, fingerprint),  # content: a target changed in place is not resumed
         "max_new_tokens": max_new_tokens, "temperature": float(temperature),
         "top_p": float(top_p) if temperature > 0 else None, "top_k": int(top_k) if temperature > 0 else None,
         "seed": int(seed) if temperature > 0 else None, "dtype": str(torch_dtype),

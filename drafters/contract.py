@@ -10,6 +10,7 @@ serve uninitialised memory; hence the exact name/shape/dtype check here.
 Formats:
   "source"  a training-side folder: any floating dtype, no quantization_config, finite values;
   "bf16"    every tensor bfloat16;
+  (both export formats: no remote-code settings, `auto_map` or `trust_remote_code`, and no .py files)
   "fp8"     block FP8 (drafters.fp8): o_proj / MLP / fc weights float8_e4m3fn with float32
             weight_scale_inv [ceil(out/128), ceil(in/128)], everything else bfloat16, and the exact
             quantization_config of drafters.fp8.quantization_config.
@@ -32,6 +33,9 @@ INT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attent
             "head_dim", "vocab_size", "num_target_layers", "block_size")
 REQUIRED_KEYS = ("architectures", "model_type", *INT_KEYS, "rms_norm_eps", "dflash_config")
 FORBIDDEN_PARTS = ("embed_tokens", "lm_head")
+# Settings that make a loader run Python from the folder: an engine started with --trust-remote-code for its
+# target would run the drafter folder's code too. A served drafter is plain Qwen3 layers and needs none.
+REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code", "custom_pipelines")
 TP_CANDIDATES = (1, 2, 4, 8, 16)
 
 
@@ -51,6 +55,11 @@ def _raise_if(problems: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 # config.json
 # ---------------------------------------------------------------------------------------------
+
+def remote_code_problems(cfg: Mapping) -> list[str]:
+    return [f"config.json: {key} {cfg[key]!r} asks the loader to run Python from the folder; a drafter export "
+            "needs no remote code" for key in REMOTE_CODE_KEYS if key in cfg and cfg[key] not in (None, False)]
+
 
 def config_problems(cfg: Mapping, fmt: str) -> list[str]:
     if fmt not in FORMATS:
@@ -108,6 +117,7 @@ def config_problems(cfg: Mapping, fmt: str) -> list[str]:
         problems.append(f"config.json: unexpected quantization_config {quant!r} in a {fmt} folder"
                         + (" (export from the bf16/fp32 training checkpoint, not from an FP8 export)" if fmt == "source" else ""))
     if fmt in ("bf16", "fp8"):
+        problems += remote_code_problems(cfg)
         for key in ("dtype", "torch_dtype"):
             if cfg.get(key) != "bfloat16":
                 problems.append(f"config.json: {key} {cfg.get(key)!r} must be 'bfloat16'")
@@ -248,6 +258,8 @@ def check_folder(path: str | Path, fmt: str | None = None) -> dict:
     _raise_if(problems)
     cfg = json.loads((path / CONFIG_NAME).read_text())
     fmt = fmt or folder_format(cfg)
+    if fmt != "source":
+        _raise_if([f"{path}: holds Python file {p.name}; a drafter export ships no code" for p in sorted(path.glob("*.py"))])
     check_config(cfg, fmt)
     tensors = load_file(str(path / WEIGHTS_NAME), device="cpu")
     check_tensors(tensors, cfg, fmt)

@@ -74,6 +74,8 @@ def export_config(src_cfg: dict, dtype: str) -> dict:
     if isinstance(rope, dict) and "rope_theta" in rope:
         cfg.setdefault("rope_theta", rope["rope_theta"])
     cfg.pop("quantization_config", None)
+    for key in contract.REMOTE_CODE_KEYS:  # the export is standard Qwen3 layers: no loader runs code for it
+        cfg.pop(key, None)
     if dtype == "fp8":
         cfg["quantization_config"] = fp8.quantization_config(cfg["num_hidden_layers"], cfg["num_target_layers"])
     return cfg
@@ -156,8 +158,11 @@ def model_card(cfg: dict, dtype: str, out: str, info: dict, sizes: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def export_drafter(ckpt: str | Path, out: str | Path, dtype: str = "fp8", model_card_info=None,
-                   overwrite: bool = False, allow_unaligned: bool = False) -> dict:
-    """Check, convert and atomically write an export. Returns a summary dict. Raises ContractError."""
+                   overwrite: bool = False, allow_unaligned: bool = False, allow_remote_code_source: bool = False) -> dict:
+    """Check, convert and atomically write an export. Returns a summary dict. Raises ContractError.
+
+    A source whose config.json asks for remote code (auto_map, trust_remote_code) is refused unless
+    allow_remote_code_source; the export never carries those settings either way."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     src = find_drafter_folder(ckpt)
@@ -175,6 +180,10 @@ def export_drafter(ckpt: str | Path, out: str | Path, dtype: str = "fp8", model_
     # 1. The source, before anything is written.
     src_cfg = json.loads((src / CONFIG_NAME).read_text())
     contract.check_config(src_cfg, "source")
+    remote = contract.remote_code_problems(src_cfg)
+    if remote and not allow_remote_code_source:
+        raise ContractError(remote + ["this pipeline's drafters need no remote code; pass --allow-remote-code-source to "
+                                      "export it anyway (the export drops these settings)"])
     state = load_file(str(src / WEIGHTS_NAME), device="cpu")
     contract.check_tensors(state, src_cfg, "source")
     if dtype == "fp8" and not allow_unaligned:
@@ -213,13 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
     parser.add_argument("--allow-unaligned", action="store_true",
                         help="write an FP8 export even if its widths are not multiples of 128 (not servable by SGLang)")
+    parser.add_argument("--allow-remote-code-source", action="store_true",
+                        help="export a source whose config.json asks for remote code (auto_map, trust_remote_code); "
+                             "the export drops those settings")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         summary = export_drafter(args.ckpt, args.out, args.dtype, args.model_card_info,
-                                 overwrite=args.overwrite, allow_unaligned=args.allow_unaligned)
+                                 overwrite=args.overwrite, allow_unaligned=args.allow_unaligned,
+                                 allow_remote_code_source=args.allow_remote_code_source)
     except (ContractError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"export refused: {e}", file=sys.stderr)
         return 1

@@ -11,14 +11,16 @@ half-written checkpoint under a real name; the newest complete one is what a res
 state/ holds JSON and safetensors only: model.safetensors (fp32 weights), optimizer.{json,safetensors},
 scheduler.json, rng-<rank>.{json,safetensors} (python, numpy and torch generators of every process). A
 resume reads nothing else and refuses a checkpoint that holds any pickle (unpickling runs code, and
-checkpoint folders get copied between people and buckets) unless `train.trust_checkpoint_pickles`.
-DeepSpeed is the exception: its engine writes (and reads) its model and optimizer state with pickle, so
+checkpoint folders get copied between people and buckets) unless `train.trust_checkpoint_pickles`, and
+refuses one that holds a symlink anywhere, that flag or not. Without the flag, no loader that unpickles
+runs, whatever the folder holds or lacks. DeepSpeed is the exception: its engine writes (and reads) its model and optimizer state with pickle, so
 state/ is accelerate's save_state there, and resuming a DeepSpeed run needs that flag.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -31,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from common.atomic_files import replace_folder
 from configs.schema import ConfigError, PipelineConfig
 from drafters.checkpoint import STEP_DIR, checkpoints_dir, latest_checkpoint, list_checkpoints  # noqa: F401  (the layout)
+from train.divergence import prunable
 
 RUN_CONFIG = "run_config.json"
 PICKLE_SUFFIXES = {".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt"}
@@ -40,7 +43,8 @@ SAFE_TO_CHANGE = (
     "run_name", "output_dir", "cache_dir", "logging.", "eval.", "retrain.", "target.device_map",
     "features.shard_tokens", "train.save_every", "train.keep_last", "train.log_every", "train.cpu_threads",
     "train.resume", "train.trust_checkpoint_pickles", "train.resume_allow_config_change",
-    "train.max_nonfinite_steps", "train.snapshot_every",
+    "train.max_nonfinite_steps", "train.snapshot_every", "train.divergence_loss_factor",
+    "train.divergence_grad_norm_factor", "train.divergence_weight_norm_factor", "train.divergence_patience",
 )
 
 
@@ -55,6 +59,8 @@ class TrainerState:
     batch_in_epoch: int = 0    # micro-batches of this epoch already consumed
     elapsed_seconds: float = 0.0  # wall time of the run so far, data and feature preparation included
     metrics: dict = field(default_factory=dict)
+    healthy: bool = True       # written outside a run of climbing losses (train/divergence.py)
+    guard: dict = field(default_factory=dict)  # the divergence guard's moving averages, for an exact resume
 
 
 def read_trainer_state(checkpoint: Path) -> TrainerState:
@@ -164,31 +170,58 @@ def save_checkpoint(accelerator, output_dir: str | Path, state: TrainerState, sa
         (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
         (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2))
         replace_folder(tmp, final)
-        for old in list_checkpoints(output_dir)[:-keep_last]:
+        for old in prunable(output_dir, keep_last):  # never the last good one
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
 
 
+def symlinks(checkpoint: Path) -> list[Path]:
+    """Symlinks at or under a checkpoint folder, folders included (a symlinked folder is not descended into:
+    whatever it points at is outside what was checked)."""
+    if checkpoint.is_symlink():
+        return [checkpoint]
+    found = []
+    for root, dirs, files in os.walk(checkpoint, followlinks=False):
+        found += [Path(root) / name for name in dirs + files if (Path(root) / name).is_symlink()]
+    return sorted(found)
+
+
 def pickle_files(checkpoint: Path) -> list[Path]:
     """Files of a checkpoint that some loader would unpickle: by name, or (anything but JSON and
-    safetensors) by content: pickle protocol 2+ or torch.save's zip format."""
+    safetensors) by content: pickle protocol 2+ or torch.save's zip format. Symlinks are not followed
+    (check_resumable refuses them)."""
     found = []
-    for path in sorted(checkpoint.rglob("*")):
-        if not path.is_file() or path.suffix in (".json", ".safetensors"):
-            continue
-        with open(path, "rb") as f:
-            head = f.read(4)
-        if path.suffix in PICKLE_SUFFIXES or head[:1] == b"\x80" or head == b"PK\x03\x04":
-            found.append(path)
-    return found
+    for root, _, files in os.walk(checkpoint, followlinks=False):
+        for name in files:
+            path = Path(root) / name
+            if path.is_symlink() or path.suffix in (".json", ".safetensors"):
+                continue
+            with open(path, "rb") as f:
+                head = f.read(4)
+            if path.suffix in PICKLE_SUFFIXES or head[:1] == b"\x80" or head == b"PK\x03\x04":
+                found.append(path)
+    return sorted(found)
 
 
-def check_no_pickles(checkpoint: Path, trusted: bool, deepspeed: bool, log) -> None:
+def _names(checkpoint: Path, paths: list[Path]) -> str:
+    shown = [str(p.relative_to(checkpoint)) if p != checkpoint else str(p) for p in paths[:5]]
+    return ", ".join(shown) + (f" (+{len(paths) - 5} more)" if len(paths) > 5 else "")
+
+
+def check_resumable(checkpoint: Path, trusted: bool, deepspeed: bool, log) -> None:
+    """Refuse a checkpoint holding a symlink (always: what it points at was never checked) or, unless
+    train.trust_checkpoint_pickles, any pickle. Called before any training work and again right before loading."""
+    links = symlinks(checkpoint)
+    if links:
+        where = "; ".join(f"{_names(checkpoint, [p])} -> {os.readlink(p)}" for p in links[:5])
+        raise ResumeRefused(f"refusing to resume from {checkpoint}: it holds symlink(s) ({where}). A checkpoint this "
+                            "pipeline writes has none, and a link can smuggle in files no check has seen. Copy the "
+                            "real files in (cp -rL) if you trust them")
     found = pickle_files(checkpoint)
     if not found:
         return
-    names = ", ".join(str(p.relative_to(checkpoint)) for p in found[:5]) + (f" (+{len(found) - 5} more)" if len(found) > 5 else "")
+    names = _names(checkpoint, found)
     if trusted:
         log(f"[train] train.trust_checkpoint_pickles: {checkpoint} holds pickle file(s) {names}; trusted")
         return
@@ -198,13 +231,25 @@ def check_no_pickles(checkpoint: Path, trusted: bool, deepspeed: bool, log) -> N
                         f"runs code ({why}). Resume only from a folder you trust, with train.trust_checkpoint_pickles=true")
 
 
-def load_checkpoint(accelerator, checkpoint: Path, *, model, optimizer, scheduler) -> TrainerState:
-    """Restore model, optimizer, scheduler and RNG (collective). Pickles were refused before, unless trusted."""
+def load_checkpoint(accelerator, checkpoint: Path, *, model, optimizer, scheduler, trusted: bool) -> TrainerState:
+    """Restore model, optimizer, scheduler and RNG (collective). Every tensor is read with safetensors; the
+    only loader that unpickles (accelerate's load_state: DeepSpeed, or a checkpoint from before state/ was
+    pickle-free) runs only under train.trust_checkpoint_pickles."""
+    deepspeed = is_deepspeed(accelerator)
+    check_resumable(checkpoint, trusted, deepspeed, lambda _: None)  # again: the folder may have changed since the first check
     state_dir = checkpoint / "state"
-    if (state_dir / "optimizer.json").exists() and not is_deepspeed(accelerator):
+    if not deepspeed and (state_dir / "optimizer.json").is_file():
+        missing = [name for name in ("model.safetensors", "scheduler.json") if not (state_dir / name).is_file()]
+        if missing:
+            raise ResumeRefused(f"refusing to resume from {checkpoint}: state/ lacks {', '.join(missing)}")
         accelerator.unwrap_model(model).load_state_dict(load_file(str(state_dir / "model.safetensors")))
         optimizer.load_state_dict(load_tree(state_dir, "optimizer"))
-    else:  # DeepSpeed, or a checkpoint written before state/ was pickle-free (both trusted by then)
+    elif not trusted:
+        what = "DeepSpeed's state is pickled" if deepspeed else "state/optimizer.json is missing"
+        raise ResumeRefused(f"refusing to resume from {checkpoint}: {what}, and the only loader left "
+                            "(accelerate's load_state) unpickles, which runs code. Resume only from a folder you "
+                            "trust, with train.trust_checkpoint_pickles=true")
+    else:
         if (state_dir / "custom_checkpoint_0.pkl").exists() and not (state_dir / "scheduler.json").exists():
             accelerator.register_for_checkpointing(scheduler)
         accelerator.load_state(str(state_dir))

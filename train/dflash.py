@@ -7,7 +7,8 @@ checkpoint (`train.init_from`, weights only) and trains on trajectory datasets. 
 the newest checkpoint in its output_dir (model, optimizer, scheduler, RNG, data position), after
 checking that its settings still mean the same run (train/checkpointing.py). A non-finite loss or gradient
 norm skips the step; train.max_nonfinite_steps of them in a row, or a non-finite weight, stop the run
-(exit status 3) with the last finite checkpoint as the newest.
+(exit status 3) with the last finite checkpoint as the newest. So does a finite blow-up: a loss or gradient
+norm that stays far above its best (train/divergence.py); the message names the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from train.batches import (Batch, DatasetError, check_training_dataset, collate,
 from common.atomic_files import write_json_atomic
 from common.dtypes import native_bf16
 from data.mixture import greedy_response_spans
-from train.checkpointing import (TrainerState, check_config_drift, check_no_pickles, is_deepspeed, latest_checkpoint,
+from train.checkpointing import (TrainerState, check_config_drift, check_resumable, is_deepspeed, latest_checkpoint,
                                  load_checkpoint, save_checkpoint)
+from train.divergence import DivergenceGuard, last_good_checkpoint, set_aside_after
 from train.features import TargetChoices, choices_store, feature_source
 from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, copy_loss, copy_sources,
                                 default_gamma, greedy_path, most_frequent_tokens, slot_weights)
@@ -121,6 +123,9 @@ def train(config: PipelineConfig) -> Path:
     save_serving_drafter = serving_drafter_writer(accelerator, drafter, draft_config)
     progress = tqdm(total=total_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     window, health = _new_window(), StepHealth()
+    guard = DivergenceGuard(tc.divergence_loss_factor, tc.divergence_grad_norm_factor, tc.divergence_weight_norm_factor,
+                            tc.divergence_patience, state.guard)
+    step_loss, grad_norm = 0.0, None
 
     while state.step < total_steps:
         batches = shard_batches(epoch_batches(rows, tc.batch_size, seed=tc.seed, epoch=state.epoch), rank, world)
@@ -135,7 +140,8 @@ def train(config: PipelineConfig) -> Path:
                 loss = out.loss.item()
                 health.finite &= math.isfinite(loss)
                 if accelerator.sync_gradients:
-                    optimizer_step(accelerator, drafter, optimizer, tc.grad_clip, health)
+                    grad_norm = optimizer_step(accelerator, drafter, optimizer, tc.grad_clip, health)
+            step_loss += loss / tc.grad_accum
             _record_micro_batch(window, loss / tc.grad_accum, out, anchor_valid, len(batch.indices), draft_config.block_size)
             state.batch_in_epoch = batch_idx + 1
             if not accelerator.sync_gradients:
@@ -146,7 +152,14 @@ def train(config: PipelineConfig) -> Path:
             window["steps"] += 1
             progress.update(1)
             health.end_step(state.step, window, log)
-            _check_divergence(drafter, state.step, health.nonfinite_run, tc.max_nonfinite_steps, output_dir)
+            weight_norm = _check_divergence(accelerator, drafter, state.step, health.nonfinite_run,
+                                            tc.max_nonfinite_steps, output_dir)
+            if not health.nonfinite_run:
+                blow_up = guard.update(_mean_over_ranks(accelerator, step_loss), grad_norm, weight_norm)
+                if blow_up:
+                    raise _diverged(accelerator, state.step, blow_up, output_dir)
+            state.healthy, state.guard = guard.healthy, guard.to_dict()
+            step_loss, grad_norm = 0.0, None
             window = after_step(config, accelerator, state, total_steps, window, scheduler, objective.keep_prob,
                                 progress, save_serving_drafter, parts)
             if state.step >= total_steps:
@@ -184,7 +197,7 @@ def checkpoint_to_resume(config: PipelineConfig, accelerator: Accelerator, log) 
     if not tc.resume:
         raise ValueError(f"output_dir {output_dir} already holds checkpoints (newest {existing.name}) and train.resume is false; use a new output_dir")
     check_config_drift(existing, config, log)
-    check_no_pickles(existing, tc.trust_checkpoint_pickles, is_deepspeed(accelerator), log)
+    check_resumable(existing, tc.trust_checkpoint_pickles, is_deepspeed(accelerator), log)
     return existing
 
 
@@ -226,7 +239,7 @@ def prepare(accelerator: Accelerator, drafter, optimizer, tc):
 
 
 def resume(accelerator: Accelerator, checkpoint: Path, parts: dict, tc, log) -> TrainerState:
-    state = load_checkpoint(accelerator, checkpoint, **parts)
+    state = load_checkpoint(accelerator, checkpoint, **parts, trusted=tc.trust_checkpoint_pickles)
     _apply_config_hyperparameters(parts["optimizer"], parts["scheduler"], tc)
     log(f"[train] resumed from {checkpoint} (step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch})")
     return state
@@ -324,12 +337,15 @@ class StepHealth:
             log(f"[train] step {step}: non-finite loss or gradient norm, step skipped ({self.nonfinite_run} in a row)")
 
 
-def optimizer_step(accelerator: Accelerator, drafter, optimizer, grad_clip: float, health: StepHealth) -> None:
+def optimizer_step(accelerator: Accelerator, drafter, optimizer, grad_clip: float, health: StepHealth) -> float | None:
+    """Clip, step when finite on every rank; returns the gradient norm before clipping (None under DeepSpeed)."""
     grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), grad_clip)
-    health.finite = _on_every_rank(accelerator, health.finite and (grad_norm is None or math.isfinite(float(grad_norm))))
+    grad_norm = None if grad_norm is None else float(grad_norm)
+    health.finite = _on_every_rank(accelerator, health.finite and (grad_norm is None or math.isfinite(grad_norm)))
     if health.finite:  # DeepSpeed has stepped inside backward already; the weight check stops a diverged run
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def after_step(config: PipelineConfig, accelerator: Accelerator, state: TrainerState, total_steps: int, window: dict,
@@ -430,19 +446,37 @@ def _on_every_rank(accelerator, flag: bool) -> bool:
     return bool(failed.item() == 0)
 
 
-def _check_divergence(drafter, step: int, nonfinite_run: int, limit: int, output_dir: Path) -> None:
-    def diverged(why: str) -> TrainingDiverged:
-        newest = latest_checkpoint(output_dir)
-        kept = f"the newest checkpoint, {newest}, is the last finite one" if newest else "no checkpoint was written"
-        return TrainingDiverged(f"training diverged at step {step}: {why}; {kept}. Lower train.lr or check the data.")
+def _mean_over_ranks(accelerator, value: float) -> float:
+    if accelerator.num_processes == 1:
+        return value
+    return float(accelerator.reduce(torch.tensor([value], device=accelerator.device), reduction="mean").item())
 
+
+def _diverged(accelerator, step: int, why: str, output_dir: Path) -> TrainingDiverged:
+    """The error that stops a diverged run. The checkpoints written after the last good one are moved to
+    checkpoints/diverged/ (kept, but out of a resume's way)."""
+    good = last_good_checkpoint(output_dir)
+    moved = set_aside_after(output_dir, good) if accelerator.is_main_process else []
+    kept = (f"the last good checkpoint is {good}" if good else "no good checkpoint was written before it")
+    if moved:
+        kept += f" ({len(moved)} written after it moved to {moved[0].parent})"
+    if good:
+        kept += "; a rerun resumes from it"
+    return TrainingDiverged(f"training diverged at step {step}: {why}; {kept}. Lower train.lr or check the data.")
+
+
+def _check_divergence(accelerator, drafter, step: int, nonfinite_run: int, limit: int, output_dir: Path) -> float:
+    """Stops a run with non-finite steps or weights; returns the weights' L2 norm."""
     if nonfinite_run >= limit:
-        raise diverged(f"the loss or gradient norm was non-finite in {nonfinite_run} steps in a row "
-                       f"(train.max_nonfinite_steps={limit})")
+        raise _diverged(accelerator, step, f"the loss or gradient norm was non-finite in {nonfinite_run} steps in "
+                        f"a row (train.max_nonfinite_steps={limit})", output_dir)
     params = list(drafter.named_parameters())
-    if not bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
+    norm = float(torch.linalg.vector_norm(torch.stack([p.detach().float().norm() for _, p in params])))
+    if not math.isfinite(norm):
         bad = [name for name, p in params if not torch.isfinite(p).all()]
-        raise diverged(f"non-finite weights in {len(bad)} tensor(s) ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+        raise _diverged(accelerator, step, f"non-finite weights in {len(bad)} tensor(s) "
+                        f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})", output_dir)
+    return norm
 
 
 def _record_micro_batch(window: dict, loss: float, out, anchor_valid: torch.Tensor, sequences: int, block_size: int) -> None:

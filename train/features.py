@@ -71,9 +71,11 @@ def cache_layout(config: PipelineConfig) -> str:
     return "rows" if config.target.backend != "hf" or builds_mixture else "tree"
 
 
-def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: Path, layer_ids: list[int], dtype: str,
-                      layout: str, max_seq_len: int) -> Path:
-    key = hashlib.sha256(f"{Path(target_path).resolve()}|{layer_ids}|{dtype}|{dataset_fingerprint}|{layout}|{max_seq_len}"
+def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_fingerprint: str, layer_ids: list[int],
+                      dtype: str, layout: str, max_seq_len: int) -> Path:
+    """Keyed on what the features are a function of: the target's content (not its path), the dataset's token
+    ids and how they are captured and stored."""
+    key = hashlib.sha256(f"{target_fingerprint}|{layer_ids}|{dtype}|{dataset_fingerprint}|{layout}|{max_seq_len}"
                          .encode()).hexdigest()[:12]
     return Path(cache_root) / "features" / f"cache-{key}"
 
@@ -81,8 +83,10 @@ def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_path: P
 def config_cache_dir(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], cache_root: Path) -> Path:
     """The cache folder of this config and dataset (training and the capture job agree on it)."""
     from data.feature_cache import dataset_fingerprint
+    from drafters.target_fingerprint import target_fingerprint
 
-    return feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_path, layer_ids, config.features.cache_dtype,
+    return feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_fingerprint(target_path, config.target.fingerprint),
+                             layer_ids, config.features.cache_dtype,
                              cache_layout(config), config.data.max_seq_len)
 
 

@@ -20,13 +20,18 @@ def cache_root(config: PipelineConfig) -> Path:
 
 def resolve_target(config: PipelineConfig, log=print) -> Path:
     """The target folder; None in the config means the embedded testbed target, prepared on demand."""
+    from drafters.target_fingerprint import note_target, target_fingerprint
+
     if config.target.path is None:
         from drafters.testbed import prepare_testbed_target
 
-        return prepare_testbed_target(cache_root(config))
-    path = Path(config.target.path)
-    if not (path / "config.json").exists():
-        raise ValueError(f"target.path {path} is not a model folder (no config.json)")
+        path = prepare_testbed_target(cache_root(config))
+    else:
+        path = Path(config.target.path)
+        if not (path / "config.json").exists():
+            raise ValueError(f"target.path {path} is not a model folder (no config.json)")
+    # Every cache built from the target is keyed on its content; hashing it here, once, says when it changed.
+    note_target(cache_root(config), path, target_fingerprint(path, config.target.fingerprint), log)
     return path
 
 

@@ -1,7 +1,24 @@
 import json
+import pickle
 import random
 
 import pytest
+
+
+class _Exploit:
+    """Unpickling it creates a file: what a crafted checkpoint could do with a shell command instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture(scope="session")
+def crafted_pickle():
+    """crafted_pickle(marker) -> pickle bytes that create `marker` when unpickled."""
+    return lambda marker: pickle.dumps(_Exploit(marker))
 
 
 @pytest.fixture(scope="session")

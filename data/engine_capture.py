@@ -66,7 +66,9 @@ class EngineCapture(FeatureCapture):
 
     def __init__(self, target: str | Path, layer_ids: list[int], *, storage_dir: str | Path | None = None,
                  dtype: str = "bfloat16", max_model_len: int = 4096, memory_fraction: float = 0.15,
-                 with_final: bool = True, host_connector: bool | None = None, **engine_kwargs):
+                 with_final: bool = True, host_connector: bool | None = None, engine=None, **engine_kwargs):
+        """engine: the config's engine settings (`target:`; data/engine_settings.py), which then replace
+        dtype and memory_fraction."""
         try:
             from vllm import LLM
         except ImportError as err:
@@ -93,15 +95,22 @@ class EngineCapture(FeatureCapture):
         # What the feature cache records as the target's identity (it reads capture.model.config).
         self.model = SimpleNamespace(config=AutoConfig.from_pretrained(self.target), parameters=lambda: iter(()))
         try:
+            if engine is not None:
+                from data.engine_settings import vllm_kwargs
+
+                settings = vllm_kwargs(engine, self.target, max_model_len=max_model_len)
+            else:
+                settings = {"model": str(self.target), "dtype": dtype, "max_model_len": max_model_len,
+                            "gpu_memory_utilization": memory_fraction}
+            settings.pop("enforce_eager", None)
             self.llm = LLM(
-                model=str(self.target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-                gpu_memory_utilization=memory_fraction, enable_prefix_caching=False,
+                **{**settings, **engine_kwargs}, enforce_eager=True, enable_prefix_caching=False,
                 speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                     "draft_model_config": {"hf_config": {
                                         "eagle_aux_hidden_state_layer_ids": self.aux_ids}}},
                 kv_transfer_config={"kv_connector": connector, "kv_role": "kv_producer", **module,
                                     "kv_connector_extra_config": {"shared_storage_path": str(self.storage_dir)}},
-                **engine_kwargs)
+                )
         except Exception as err:
             raise EngineCaptureError(f"vLLM extract_hidden_states failed to start: {type(err).__name__}: {err}") from err
 

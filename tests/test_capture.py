@@ -107,7 +107,6 @@ def test_bad_layer_ids_and_unknown_backend():
     target = tiny_llama_target()
     with pytest.raises(ValueError, match=r"\[8\].*8 layers"):
         HFCapture(target, [1, 8])
-    with pytest.raises(NotImplementedError):
-        make_capture("sglang")
-    with pytest.raises(ValueError, match="unknown feature backend"):
-        make_capture("vllm")
+    for backend in ("sglang", "vllm"):  # no in-process capture; the config routes these elsewhere or refuses them
+        with pytest.raises(ValueError, match="unknown feature backend"):
+            make_capture(backend)

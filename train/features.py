@@ -68,7 +68,7 @@ def cache_layout(config: PipelineConfig) -> str:
     regenerated stage-1 mixture, whose features regeneration kept per row ("rows"); "rows" for the engine,
     which has no KV-cache continuation."""
     builds_mixture = config.data.dataset is None and config.train.stage == "general"
-    return "rows" if config.target.backend != "hf" or builds_mixture else "tree"
+    return "rows" if config.target.feature_backend != "hf" or builds_mixture else "tree"
 
 
 def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_fingerprint: str, layer_ids: list[int],
@@ -104,13 +104,14 @@ def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, la
     out_dir = config_cache_dir(config, dataset, target_path, layer_ids, cache_root)
     if cache_complete(out_dir):
         return {"cache": str(out_dir), "layout": layout, "complete": True, "target_tokens": 0}
-    if config.target.backend == "vllm":  # the engine captures: the target's body is never loaded here
+    if config.target.feature_backend == "vllm":  # the engine captures: the target's body is never loaded here
         from data.engine_capture import EngineCapture
 
-        target, capture = None, EngineCapture(target_path, layer_ids, with_final=True)
+        target, capture = None, EngineCapture(target_path, layer_ids, with_final=True, engine=config.target,
+                                              max_model_len=config.data.max_seq_len)
     else:
         target = load_configured_target(config, target_path, device)
-        capture = make_capture(config.target.backend, target, layer_ids)
+        capture = make_capture(config.target.feature_backend, target, layer_ids)
     known = _regenerated(config, target_path, layer_ids, cache_root) if layout == "rows" else None
     if known is not None and hasattr(capture, "known_features"):
         capture.known_features = known.lookup
@@ -141,10 +142,11 @@ def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, la
 def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], accelerator, cache_root: Path):
     with_final = config.train.loss in ("kl", "ce_target") or config.train.anchor_scope == "sequence"
     if config.features.mode == "online":
-        if config.target.backend == "vllm":
-            raise ValueError("target.backend: vllm captures features offline: set features.mode: offline")
+        if config.target.feature_backend == "vllm":
+            raise ValueError("vLLM captures features offline (target.backend / target.capture_backend: vllm): "
+                             "set features.mode: offline")
         target = load_configured_target(config, target_path, accelerator.device)
-        capture = make_capture(config.target.backend, target, layer_ids, output_device=accelerator.device)
+        capture = make_capture(config.target.feature_backend, target, layer_ids, output_device=accelerator.device)
         return OnlineFeatures(capture, accelerator.device, with_final)
 
     from data.feature_cache import FeatureCacheReader, cache_complete

@@ -87,7 +87,9 @@ def training_dataset(config: PipelineConfig, target_path: Path, accelerator, lay
         if config.train.stage == "general":
             from data.mixture import build_mixture
 
-            keep = layer_ids if config.features.mode == "offline" and config.target.backend == "hf" else None
+            # Features kept while regenerating: the in-process target's forwards (hf regeneration, hf capture).
+            keep = (layer_ids if config.features.mode == "offline" and config.target.feature_backend == "hf"
+                    and config.generation_backend == "hf" else None)
             return build_mixture(config, target_path, cache_root(config), feature_layers=keep)
         from data.trajectory_dataset import build_trajectory_dataset
 

@@ -186,12 +186,15 @@ def greedy_response_spans(config: PipelineConfig, dataset) -> list[tuple[int, in
 
 
 def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
-                  feature_layers: list[int] | None = None) -> Dataset:
+                  feature_layers: list[int] | None = None, ranks=None) -> Dataset:
     """feature_layers: keep those target layers' features while regenerating, for the feature cache.
+    ranks: the process group (accelerate's state) when several processes share the regeneration: each
+    regenerates its share of the prompts (data/regenerate.py `share`) and resumes it on its own; then the
+    main process writes the dataset. Called by every process of the group.
     Writes manifest.json (sources and their counts, the target's fingerprint, template, thinking setting,
     generation settings, quarantine counts) and sources_quarantine.jsonl beside the dataset."""
     from data.chat_masks import load_tokenizer
-    from data.regenerate import read_quarantine, regenerate
+    from data.regenerate import load_regenerated, read_quarantine, regenerate
 
     mixture = config.data.mixture
     out_dir = mixture_dir(config, target_path, cache_root)
@@ -199,22 +202,36 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
     print(f"[data] general mixture: {len(drawn.prompts)} prompts from {len(drawn.sources)} source(s) -> {out_dir}", flush=True)
     if drawn.quarantined:
         print(f"[data] sources: {len(drawn.quarantined)} record(s) quarantined -> {out_dir / SOURCES_QUARANTINE}", flush=True)
+    shared = ranks is not None and ranks.num_processes > 1
+    main = not shared or ranks.is_main_process
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / SOURCES_QUARANTINE, "".join(json.dumps(q.to_dict(), ensure_ascii=False) + "\n"
-                                                           for q in drawn.quarantined))
+    if main:
+        write_text_atomic(out_dir / SOURCES_QUARANTINE, "".join(json.dumps(q.to_dict(), ensure_ascii=False) + "\n"
+                                                               for q in drawn.quarantined))
     tokenizer = load_tokenizer(target_path, trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking)
 
     def regenerate_all(prompts: list) -> Dataset:
-        return regenerate(
-            prompts, target_path, out_dir, batch_size=mixture.generation_batch_size, max_new_tokens=mixture.max_new_tokens,
-            temperature=mixture.temperature, seed=config.data.seed, max_prompt_tokens=mixture.max_prompt_tokens,
-            dtype=config.target.dtype, backend=config.generation_backend, feature_layers=feature_layers,
-            trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking,
-            fingerprint=config.target.fingerprint, engine=config.target,
-        )
+        def run(share=None):
+            return regenerate(
+                prompts, target_path, out_dir, batch_size=mixture.generation_batch_size,
+                max_new_tokens=mixture.max_new_tokens, temperature=mixture.temperature, seed=config.data.seed,
+                max_prompt_tokens=mixture.max_prompt_tokens, dtype=config.target.dtype,
+                backend=config.generation_backend, feature_layers=feature_layers,
+                trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking,
+                fingerprint=config.target.fingerprint, engine=config.target, share=share)
+
+        if not shared:
+            return run()
+        run((ranks.process_index, ranks.num_processes))
+        ranks.wait_for_everyone()
+        if main:
+            run()  # every share is done: this writes the dataset
+        ranks.wait_for_everyone()
+        return load_regenerated(out_dir)
 
     regenerated, rounds = answer_every_turn(drawn, regenerate_all, tokenizer)
-    write_manifest(out_dir, config, target_path, tokenizer, drawn, regenerated, rounds, read_quarantine(out_dir))
+    if main:
+        write_manifest(out_dir, config, target_path, tokenizer, drawn, regenerated, rounds, read_quarantine(out_dir))
     if not mixture.prefilled_samples:
         return regenerated
     rows = prefilled_rows(config, tokenizer)

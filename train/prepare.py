@@ -2,6 +2,7 @@
 features training will read) -> the prepared mixture, with its manifest.
 
     python -m train.prepare --config configs/testbed.yaml [section.key=value ...]
+    accelerate launch -m train.prepare --config ...     # every process regenerates its share of the prompts
 
 Give it the config and overrides the training run will get: it builds the same artifact, under
 `<cache>/datasets/mixture-<key>/` (the key covers the sources' content, the target's content fingerprint
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import timedelta
 
 from configs.schema import ConfigError, PipelineConfig, load_config
 
@@ -31,6 +33,7 @@ def parse_args(argv=None):
 
 def prepare(config: PipelineConfig) -> dict:
     """Build (or resume) the stage-1 mixture of this config; returns its manifest."""
+    import torch
     from accelerate import PartialState
 
     from data.mixture import MANIFEST, mixture_dir
@@ -41,7 +44,7 @@ def prepare(config: PipelineConfig) -> dict:
         raise ValueError("train.prepare builds the regenerated stage-1 mixture (train.stage general, no data.dataset); "
                          "stage 2 reads data.trajectories as training starts")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    state = PartialState(cpu=True)
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=12))  # a share can take hours
     target_path = resolve_target(config, log)
     layer_ids = drafter_layer_ids(config, target_path, load_target_config(target_path, config.target.trust_remote_code))
     training_dataset(config, target_path, state, layer_ids)

@@ -83,14 +83,15 @@ def training_dataset(config: PipelineConfig, target_path: Path, accelerator, lay
         if not path.exists():
             raise ValueError(f"data.dataset {path} does not exist")
         return load_from_disk(str(path))
-    with accelerator.main_process_first():
-        if config.train.stage == "general":
-            from data.mixture import build_mixture
+    if config.train.stage == "general":
+        from data.mixture import build_mixture
 
-            # Features kept while regenerating: the in-process target's forwards (hf regeneration, hf capture).
-            keep = (layer_ids if config.features.mode == "offline" and config.target.feature_backend == "hf"
-                    and config.generation_backend == "hf" else None)
-            return build_mixture(config, target_path, cache_root(config), feature_layers=keep)
+        # Features kept while regenerating: the in-process target's forwards (hf regeneration, hf capture).
+        keep = (layer_ids if config.features.mode == "offline" and config.target.feature_backend == "hf"
+                and config.generation_backend == "hf" else None)
+        # Every process regenerates its share of the prompts (a single one: all of them).
+        return build_mixture(config, target_path, cache_root(config), feature_layers=keep, ranks=accelerator)
+    with accelerator.main_process_first():
         from data.trajectory_dataset import build_trajectory_dataset
 
         return build_trajectory_dataset(config, target_path, cache_root(config))

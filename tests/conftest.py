@@ -82,3 +82,56 @@ def hostile_lines(n: int, seed: int, max_record_bytes: int) -> list[bytes]:
 @pytest.fixture(scope="session")
 def make_hostile_lines():
     return hostile_lines
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_http(url: str, proc, timeout: float = 60.0) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up in {timeout} s")
+
+
+@pytest.fixture
+def start_tap(tmp_path):
+    """start_tap(upstream, out, *flags) -> (url, process): `python -m data.log_tap` on a free port, up and healthy.
+    Every tap still running at the test's end gets SIGTERM."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    started = []
+
+    def start(upstream: str, out, *flags: str):
+        port = _free_port()
+        log = open(tmp_path / f"tap-{port}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "data.log_tap", "--upstream", upstream, "--out", str(out),
+                                 "--port", str(port), *flags], cwd=Path(__file__).resolve().parents[1],
+                                stdout=log, stderr=subprocess.STDOUT)
+        started.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_for_http(f"{url}/tap/health", proc)
+        return url, proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)

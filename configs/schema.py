@@ -372,6 +372,11 @@ class RetrainConfig(Strict):
     # Serve the candidate's bf16 export in vLLM before promoting it (eval/engine.py serving_check: greedy
     # outputs equal the target's, engine tau within 2% of the decoder's, on the gate's held-out requests).
     serving_check: bool = False
+    # Tell the engine when a version becomes current (bootstrap, promotion, rollback; retraining/hooks.py): a
+    # command (a string or a list of arguments; {event} {version} {drafter} {bf16} {fp8} are filled in) or an
+    # http(s):// URL that gets them as a JSON POST. None: nothing is told (serve `current` and reload by hand).
+    on_promote: str | list[str] | None = None
+    on_promote_timeout: float = Field(600.0, gt=0)
     # Keep each cycle's training checkpoints (optimizer state) after the cycle completes.
     keep_checkpoints: bool = False
     # Training-data transform: permute the tokens of every training sequence (a deliberately bad candidate).

@@ -46,9 +46,11 @@ from retraining.records import Cycle, Split, commit_cycle, summary_line
 from retraining.state import (RetrainError, StateDir, copy_tree_atomic, load_state, next_version, now_iso, repair,
                               save_state, state_lock)
 from retraining.traffic import cycle_heldout_file, discover, is_heldout, session_roots, shuffle_tokens, unchanged
-from retraining.versions import bootstrap, check_exportable, export_all, rollback, status
+from retraining.hooks import HookFailed
+from retraining.versions import bootstrap, check_exportable, export_all, notify, rollback, status, tell_engine
 
 EXIT_BUSY = 75  # EX_TEMPFAIL: another cycle holds the lock
+EXIT_HOOK_FAILED = 4  # the new version is current, retrain.on_promote failed: retry with --notify
 
 
 def run_cycle(config: PipelineConfig, log=print) -> dict:
@@ -338,10 +340,12 @@ def promote(cycle: Cycle, candidate: Path, split: Split) -> dict:
     record["exports"] = exports
     gain = tau_cand / tau_cur - 1.0
     margin = cycle.config.retrain.promotion_margin
-    return cleanup_after(cycle, cycle.finish(
+    finished = cleanup_after(cycle, cycle.finish(
         "promoted", f"candidate tau {tau_cand:.3f} beats {current} tau {tau_cur:.3f} by {gain:+.1%} "
         f"(margin {margin:.1%}); {version} is now current", roots=split.roots,
         version=(version, {k: info[k] for k in ("cycle", "created", "source", "parent", "tau")})))
+    tell_engine(cycle.config, "promote", version, sd, cycle.log)
+    return finished
 
 
 def not_promoted(cycle: Cycle, candidate: Path, reason: str, roots) -> dict:
@@ -370,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/retrain-testbed.yaml", help="pipeline YAML with a retrain section")
     parser.add_argument("--rollback", metavar="VERSION", default=None, help="point `current` at an earlier version and exit")
     parser.add_argument("--status", action="store_true", help="print the state summary as JSON and exit")
+    parser.add_argument("--notify", action="store_true", help="run retrain.on_promote again for the current version")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. retrain.promotion_margin=0.05")
     args = parser.parse_args(argv)
     try:
@@ -378,8 +383,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(status(config), indent=2, default=str))
         elif args.rollback:
             rollback(config, args.rollback)
+        elif args.notify:
+            notify(config)
         else:
             run_cycle(config)
+    except HookFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_HOOK_FAILED
     except Busy as err:
         print(f"[retrain] {err}", file=sys.stderr)
         return EXIT_BUSY

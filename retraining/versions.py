@@ -83,6 +83,15 @@ def bootstrap(config: PipelineConfig, sd: StateDir, state: dict, target_path: Pa
     state["last_record"] = record
     commit(sd, state)
     log(f"[retrain] bootstrap: {version} = {source}; {sd.current} -> {version}")
+    tell_engine(config, "bootstrap", version, sd, log)
+
+
+def tell_engine(config: PipelineConfig, event: str, version: str, sd: StateDir, log) -> None:
+    """retrain.on_promote for a version that just became current (after the commit)."""
+    from retraining.hooks import notify_engine
+
+    notify_engine(config.retrain.on_promote, event, version, sd.version_dir(version),
+                  config.retrain.on_promote_timeout, log)
 
 
 def rollback(config: PipelineConfig, version: str, log=print) -> dict:
@@ -102,7 +111,18 @@ def rollback(config: PipelineConfig, version: str, log=print) -> dict:
         state["last_record"] = record
         commit(sd, state)
         log(f"[retrain] rollback: {sd.current} -> {version} (was {previous}); the next cycle fine-tunes {version}")
-        return record
+    tell_engine(config, "rollback", version, sd, log)
+    return record
+
+
+def notify(config: PipelineConfig, log=print) -> str:
+    """Run retrain.on_promote again for the current version (after a failed hook)."""
+    sd = StateDir(config.retrain.state_dir)
+    version = load_state(sd)["promoted"]
+    if version is None:
+        raise RetrainError(f"{sd.state}: no version is current yet")
+    tell_engine(config, "promote", version, sd, log)
+    return version
 
 
 def status(config: PipelineConfig) -> dict:

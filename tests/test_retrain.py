@@ -155,11 +155,20 @@ def ship(log: Path, incoming: Path) -> Path:
 # --------------------------------------------------------------------------------------------------
 
 
+HOOK = """import json, os, sys
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"argv": sys.argv[2:], "event": os.environ["DFLASH_EVENT"]}) + "\\n")
+"""
+
+
 @pytest.fixture(scope="module")
 def lifecycle(target, traffic, make_hostile_lines, tmp_path_factory):
     root = tmp_path_factory.mktemp("lifecycle")
     state, incoming = root / "state", root / "incoming"
-    args = overrides(target, state, [incoming])
+    (root / "hook.py").write_text(HOOK)
+    # retrain.on_promote: a command told about every version that becomes current.
+    args = overrides(target, state, [incoming], f"retrain.on_promote=[{sys.executable}, {root / 'hook.py'}, "
+                                                f"{root / 'hook.jsonl'}, '{{version}}', '{{bf16}}']")
     # Cycle 1's log holds lines that once stopped every cycle (huge integers, deep nesting, ...).
     hostile = make_hostile_lines(HOSTILE, seed=1, max_record_bytes=MAX_RECORD_BYTES)
     ship(with_hostile_lines(traffic(SEEDS["cycle1"]), root / "shipped" / "traffic-1.jsonl.gz", hostile), incoming)
@@ -187,6 +196,10 @@ def test_two_cycles_promote_better_drafters(lifecycle, target, traffic):
     history = history_of(state_dir)
     assert [r["id"] for r in history] == ["bootstrap-v0000", "cycle-000001", "cycle-000002"]
     c1, c2 = history[1], history[2]
+    # The engine was told about each version as it became current, with its bf16 export.
+    told = [json.loads(line) for line in (lifecycle["root"] / "hook.jsonl").read_text().splitlines()]
+    assert [(t["event"], t["argv"][0]) for t in told] == [("bootstrap", "v0000"), ("promote", "v0001"), ("promote", "v0002")]
+    assert all(t["argv"][1] == str(state_dir / "versions" / t["argv"][0] / "bf16") for t in told)
 
     # The random initial drafter accepts nothing; each candidate beats the drafter it was fine-tuned from
     # on the same held-out traffic, by more than the margin, with the target's exact greedy output.
@@ -281,9 +294,39 @@ def test_worse_candidate_is_not_promoted_and_rollback(lifecycle, traffic, target
     # The gate read this cycle's held-out traffic first, then the window's earlier cycles.
     assert rec["eval"]["heldout_files"][0] == rec["heldout_file"] and len(rec["eval"]["heldout_files"]) == 3
 
-    # Rollback: `current` moves to an earlier version, atomically, and it is recorded.
-    ok(retrain(*overrides(target, state_dir, [lifecycle["incoming"], extra]), "--rollback", "v0001"))
+    # Rollback: `current` moves to an earlier version, atomically, and it is recorded; an http hook is POSTed.
+    import http.server
+    import threading
+
+    posted = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            posted.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hook = f"retrain.on_promote=http://127.0.0.1:{server.server_address[1]}/promoted"
+    ok(retrain(*overrides(target, state_dir, [lifecycle["incoming"], extra]), hook, "--rollback", "v0001"))
+    server.shutdown()
+    assert [(p["event"], p["version"]) for p in posted] == [("rollback", "v0001")]
+    assert posted[0]["bf16"] == str(state_dir / "versions" / "v0001" / "bf16")
     assert os.readlink(state_dir / "current") == "versions/v0001"
+    # A hook that fails leaves the version current, exits 4, and --notify tells the engine again.
+    failing = retrain(*overrides(target, state_dir, [lifecycle["incoming"]]), "retrain.on_promote=[sh, -c, 'exit 3']",
+                      "--rollback", "v0002")
+    assert failing.returncode == 4 and "is committed, but retrain.on_promote" in failing.stderr
+    assert os.readlink(state_dir / "current") == "versions/v0002"
+    retold = retrain(*overrides(target, state_dir, [lifecycle["incoming"]]),
+                     f"retrain.on_promote=[{sys.executable}, {lifecycle['root'] / 'hook.py'}, {tmp_path / 'again.jsonl'}, "
+                     "'{version}']", "--notify")
+    assert retold.returncode == 0 and json.loads((tmp_path / "again.jsonl").read_text())["argv"] == ["v0002"]
+    ok(retrain(*overrides(target, state_dir, [lifecycle["incoming"], extra]), "--rollback", "v0001"))
     assert state_of(state_dir)["promoted"] == "v0001"
     last = history_of(state_dir)[-1]
     assert last["event"] == "rollback" and last["from_version"] == "v0002" and last["to_version"] == "v0001"

@@ -19,6 +19,7 @@ import torch
 
 from common.atomic_files import write_bytes_atomic, write_json_atomic
 from configs.schema import PipelineConfig
+from data.engine_settings import context_length
 from data.feature_cache import CacheMismatchError
 from drafters.capture import Captured, make_capture
 from train.batches import Batch
@@ -107,8 +108,10 @@ def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, la
     if config.target.feature_backend == "vllm":  # the engine captures: the target's body is never loaded here
         from data.engine_capture import EngineCapture
 
+        # A row of max_seq_len tokens plus the one token vLLM must be allowed to generate.
+        needed = config.data.max_seq_len + 1
         target, capture = None, EngineCapture(target_path, layer_ids, with_final=True, engine=config.target,
-                                              max_model_len=config.data.max_seq_len)
+                                              max_model_len=context_length(config.target, needed, "feature capture"))
     else:
         target = load_configured_target(config, target_path, device)
         capture = make_capture(config.target.feature_backend, target, layer_ids)

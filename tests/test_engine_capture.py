@@ -76,3 +76,31 @@ def test_engine_capture_equals_hook_capture_in_the_feature_cache(testbed_target,
         for eng, bf16, fp32, where in pairs:
             engine_error, hook_error = _relative_error(eng, fp32), _relative_error(bf16, fp32)
             assert engine_error < 0.05 and engine_error <= 2 * hook_error + 0.005, (where, engine_error, hook_error)
+
+
+def test_stage_one_trains_end_to_end_from_the_engine(testbed_target, tmp_path):
+    """`target.backend: vllm`: vLLM regenerates the mixture and captures its features (rows cut at
+    data.max_seq_len, so a full-length row needs the engine to allow one token more), then training reads
+    the cache; the run exits 0 with a serving-format drafter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from drafters.checkpoint import find_drafter_folder, load_drafter
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(repo / "train" / "dflash.py"), "--config", str(repo / "configs" / "testbed.yaml"),
+         f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}", f"target.path={testbed_target}",
+         "target.backend=vllm", "data.mixture.num_samples=6", "data.mixture.max_new_tokens=16",
+         "data.mixture.prefilled_samples=3", "data.max_seq_len=96", "train.max_steps=3", "train.snapshot_every=null",
+         "logging.wandb=false"],
+        cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=900)
+    logged = result.stdout + result.stderr
+    assert result.returncode == 0, logged[-4000:]
+    assert "[features] offline cache (bf16, rows)" in logged and "[train] done: 3 steps" in logged
+    manifest = next((tmp_path / "cache" / "datasets").iterdir()) / "manifest.json"
+    assert '"backend": "vllm"' in manifest.read_text()
+    assert load_drafter(find_drafter_folder(out)).block_size == 8

@@ -25,12 +25,22 @@ def _ids(text: str) -> list[int]:
 
 @pytest.fixture(params=["vllm", "sglang"])
 def upstream(request, tmp_path):
+    yield from _upstream(request.param)
+
+
+@pytest.fixture
+def vllm_upstream():
+    """The engine-independent behaviours (signals, rotation, quota, quarantine) need one kind only."""
+    yield from _upstream("vllm")
+
+
+def _upstream(kind: str):
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_upstream.py"), str(port), request.param],
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_upstream.py"), str(port), kind],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_for_http(f"{url}/v1/models", proc)
-    yield request.param, url
+    yield kind, url
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -140,8 +150,8 @@ def test_a_stream_cut_by_the_upstream_is_aborted_and_never_logged(upstream, star
     assert "truncated_stream" in {q["reason"] for q in _tap_quarantine(out)}
 
 
-def test_empty_answers_are_quarantined_and_never_block_later_records(upstream, start_tap, tmp_path):
-    kind, upstream_url = upstream
+def test_empty_answers_are_quarantined_and_never_block_later_records(vllm_upstream, start_tap, tmp_path):
+    kind, upstream_url = vllm_upstream
     out = tmp_path / "logs"
     url, tap = start_tap(upstream_url, out, "--upstream-kind", kind, "--segment-records", "3")
     bodies = [_body(i, stream=i % 2 == 1, chat=False, text="EMPTY" if i < 4 else None) for i in range(12)]
@@ -154,8 +164,8 @@ def test_empty_answers_are_quarantined_and_never_block_later_records(upstream, s
     assert sorted(q["reason"] for q in _tap_quarantine(out)) == ["empty_output"] * 2 + ["incomplete_stream"] * 2
 
 
-def test_reused_request_id_headers_still_give_unique_records(upstream, start_tap, tmp_path):
-    kind, upstream_url = upstream
+def test_reused_request_id_headers_still_give_unique_records(vllm_upstream, start_tap, tmp_path):
+    kind, upstream_url = vllm_upstream
     out = tmp_path / "logs"
     url, tap = start_tap(upstream_url, out, "--upstream-kind", kind)
     results = asyncio.run(_fire(url, [_body(i, False, False) for i in range(3)], [{"X-Request-Id": "same"}] * 3))
@@ -166,8 +176,8 @@ def test_reused_request_id_headers_still_give_unique_records(upstream, start_tap
     assert {r.metadata["upstream_id"] for r in records} == {"cmpl-same"}
 
 
-def test_sigterm_under_load_logs_every_answered_request(upstream, start_tap, tmp_path):
-    kind, upstream_url = upstream
+def test_sigterm_under_load_logs_every_answered_request(vllm_upstream, start_tap, tmp_path):
+    kind, upstream_url = vllm_upstream
     out = tmp_path / "logs"
     url, tap = start_tap(upstream_url, out, "--upstream-kind", kind)
 
@@ -185,8 +195,8 @@ def test_sigterm_under_load_logs_every_answered_request(upstream, start_tap, tmp
     assert len(records) == 50 and summary.quarantined == 0
 
 
-def test_sigkill_under_load_loses_at_most_the_requests_in_flight(upstream, start_tap, tmp_path):
-    kind, upstream_url = upstream
+def test_sigkill_under_load_loses_at_most_the_requests_in_flight(vllm_upstream, start_tap, tmp_path):
+    kind, upstream_url = vllm_upstream
     out = tmp_path / "logs"
     url, tap = start_tap(upstream_url, out, "--upstream-kind", kind)
 
@@ -208,8 +218,8 @@ def test_sigkill_under_load_loses_at_most_the_requests_in_flight(upstream, start
     assert not list(out.glob("*.open"))
 
 
-def test_retention_and_quota_delete_the_oldest_closed_logs(upstream, start_tap, tmp_path):
-    kind, upstream_url = upstream
+def test_retention_and_quota_delete_the_oldest_closed_logs(vllm_upstream, start_tap, tmp_path):
+    kind, upstream_url = vllm_upstream
     out = tmp_path / "logs"
     url, tap = start_tap(upstream_url, out, "--upstream-kind", kind, "--segment-records", "2", "--quota-gb", "0.0000015")
     assert [s for s, _ in asyncio.run(_fire(url, [_body(i, False, False) for i in range(12)]))] == [200] * 12

@@ -41,6 +41,9 @@ PICKLE_SUFFIXES = {".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt"}
 # commands read. Everything else changes what the run computes.
 SAFE_TO_CHANGE = (
     "run_name", "output_dir", "cache_dir", "logging.", "eval.", "retrain.", "target.device_map",
+    # where and how the engine runs, not what it computes
+    "target.tensor_parallel", "target.pipeline_parallel", "target.expert_parallel", "target.memory_share",
+    "target.max_model_len", "target.fingerprint", "data.mixture.accept_fewer",
     "features.shard_tokens", "train.save_every", "train.keep_last", "train.log_every", "train.cpu_threads",
     "train.resume", "train.trust_checkpoint_pickles", "train.resume_allow_config_change",
     "train.max_nonfinite_steps", "train.snapshot_every", "train.divergence_loss_factor",

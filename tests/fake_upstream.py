@@ -3,7 +3,7 @@ and the failures a tap must survive. Run: python tests/fake_upstream.py PORT [vl
 
 Prompt ids are the prompt's characters (ord % 1000 + 3); every answer is [10, 11, 12, 2] (2 = end of turn),
 cut with finish_reason "length" below max_tokens 4. Prompts containing DIE break the stream after two
-tokens, EMPTY answer with no tokens, SLOW wait 1.5 s first. The response id is `cmpl-<X-Request-Id>` when the
+tokens, EMPTY answer with no tokens, SLOW wait 3 s first. The response id is `cmpl-<X-Request-Id>` when the
 client sends one (as vLLM does), else a fresh one."""
 
 import asyncio
@@ -39,7 +39,7 @@ async def completions(request):
     header = request.headers.get("x-request-id")
     rid = f"cmpl-{header}" if header else f"cmpl-{uuid.uuid4().hex[:12]}-{next(counter)}"
     if "SLOW" in text:
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(3.0)
     ids = bool(body.get("return_token_ids"))
     prompt_ids_asked = ids if KIND == "vllm" else (body.get("return_prompt_token_ids") if chat else ids)
     if not body.get("stream"):

@@ -183,7 +183,7 @@ def test_sigterm_under_load_logs_every_answered_request(vllm_upstream, start_tap
 
     async def load():
         task = asyncio.ensure_future(_fire(url, [_body(i, i % 2 == 0, False, f"SLOW {i}") for i in range(50)]))
-        await asyncio.sleep(0.7)  # every request is in flight
+        await asyncio.sleep(1.5)  # every request is in flight (the upstream holds each for 3 s)
         tap.send_signal(signal.SIGTERM)
         return await task
 

@@ -139,7 +139,7 @@ class SegmentLog:
     def _apply_retention(self) -> None:
         if self.retention_seconds is None and self.quota_bytes is None:
             return
-        closed = sorted((p for p in self.out_dir.glob("tap-*.jsonl") if p.name != QUARANTINE),
+        closed = sorted(self.out_dir.glob("tap-*.jsonl"),
                         key=lambda p: p.stat().st_mtime)
         now = time.time()
         if self.retention_seconds is not None:

@@ -397,8 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device-map", default=None, help="shard the target in-process, e.g. auto (default: config target.device_map)")
-    p.add_argument("--backend", default="decoder", choices=["decoder", "vllm"],
-                   help="decoder: our decoding loop on the HF target; vllm: the serving engine (eval/engine.py)")
+    p.add_argument("--backend", default=None, choices=["decoder", "vllm"],
+                   help="decoder: our decoding loop on the HF target; vllm: the serving engine (eval/engine.py); "
+                        "default: the config's engine block (target.backend: vllm -> vllm, hf -> decoder)")
     p.add_argument("--engine-url", default=None, help="vllm backend: a server already serving the drafter")
     p.add_argument("--engine-baseline-url", default=None, help="vllm backend: a server serving the target alone")
     p.add_argument("--wandb", action="store_true", help="log the summary and plots to wandb (project/mode from config logging)")
@@ -441,6 +442,16 @@ def config_from_args(args) -> tuple[PipelineConfig, list[str]]:
     return with_values(config, values), notes
 
 
+def eval_backend(flag: str | None, config: PipelineConfig) -> str:
+    """--backend, else what the config's engine block serves with."""
+    if flag is not None:
+        return flag
+    if config.target.backend == "sglang":
+        raise EvalError("target.backend is sglang: SGLang is measured on its GPU server (scripts/sglang_gpu_check.py); "
+                        "pass --backend decoder (the target in process) or --backend vllm")
+    return "vllm" if config.target.backend == "vllm" else "decoder"
+
+
 def main(argv: list[str] | None = None) -> int:
     from configs.schema import ConfigError
 
@@ -449,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         config, notes = config_from_args(args)
         for note in notes:
             print(f"[eval] {note}", file=sys.stderr)
-        if args.backend == "vllm":
+        if eval_backend(args.backend, config) == "vllm":
             from eval.engine import evaluate_engine
 
             evaluate_engine(args.drafter, config, args.engine_url, args.engine_baseline_url)

@@ -5,6 +5,13 @@ One engine (SmolLM2, the testbed target, bf16) captures two chat rows into a fea
 with forward hooks captures the same rows in bf16 and in fp32 into two more; the reader serves all three.
 """
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +25,7 @@ from data.feature_cache import FeatureCacheReader, write_feature_cache  # noqa: 
 from drafters.capture import HFCapture  # noqa: E402
 
 LAYER_IDS = [1, 8, 14, 20, 27]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _rows(target):
@@ -78,29 +86,73 @@ def test_engine_capture_equals_hook_capture_in_the_feature_cache(testbed_target,
             assert engine_error < 0.05 and engine_error <= 2 * hook_error + 0.005, (where, engine_error, hook_error)
 
 
-def test_stage_one_trains_end_to_end_from_the_engine(testbed_target, tmp_path):
-    """`target.backend: vllm`: vLLM regenerates the mixture and captures its features (rows cut at
-    data.max_seq_len, so a full-length row needs the engine to allow one token more), then training reads
-    the cache; the run exits 0 with a serving-format drafter."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+def _poisoned_copy(target: Path, out: Path) -> Path:
+    """The target's folder with every weight but the embedding set to NaN, file sizes kept (so the sidecar
+    fingerprint, and with it every cache key, is the same): a run that computed anything with the target's
+    body would train on NaN features."""
+    from safetensors.torch import load_file, save_file
 
+    shutil.copytree(target, out)
+    weights = load_file(str(target / "model.safetensors"))
+    save_file({name: t if "embed_tokens" in name else torch.full_like(t, float("nan")) for name, t in weights.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert (out / "model.safetensors").stat().st_size == (target / "model.safetensors").stat().st_size
+    return out
+
+
+def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *args], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"},
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result
+
+
+def test_both_stages_train_from_engine_features_without_the_targets_body(testbed_target, tmp_path):
+    """`target.backend: vllm`: the prepare stage regenerates the mixture and captures its features in vLLM
+    (rows cut at data.max_seq_len, so a full-length row needs the engine to allow one token more); stage 1
+    then trains on them, and stage 2 on logged trajectories captured by the engine too. Both training runs
+    get a copy of the target whose body is NaN and still end with finite weights: training read only the
+    engine's features and the embedding."""
+    from safetensors.torch import load_file
+
+    from data.trajectories import write_trajectories
     from drafters.checkpoint import find_drafter_folder, load_drafter
+    from drafters.target_fingerprint import main as fingerprint_main
 
-    repo = Path(__file__).resolve().parents[1]
-    out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, str(repo / "train" / "dflash.py"), "--config", str(repo / "configs" / "testbed.yaml"),
-         f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}", f"target.path={testbed_target}",
-         "target.backend=vllm", "data.mixture.num_samples=6", "data.mixture.max_new_tokens=16",
-         "data.mixture.prefilled_samples=3", "data.max_seq_len=96", "train.max_steps=3", "train.snapshot_every=null",
-         "logging.wandb=false"],
-        cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=900)
-    logged = result.stdout + result.stderr
-    assert result.returncode == 0, logged[-4000:]
-    assert "[features] offline cache (bf16, rows)" in logged and "[train] done: 3 steps" in logged
-    manifest = next((tmp_path / "cache" / "datasets").iterdir()) / "manifest.json"
-    assert '"backend": "vllm"' in manifest.read_text()
-    assert load_drafter(find_drafter_folder(out)).block_size == 8
+    target = tmp_path / "target"
+    shutil.copytree(testbed_target, target, copy_function=os.link)  # hard links: no copy of the weights
+    assert fingerprint_main([str(target), "--write"]) == 0
+    poisoned = _poisoned_copy(target, tmp_path / "poisoned")
+    common = [f"cache_dir={tmp_path / 'cache'}", "target.backend=vllm", "target.fingerprint=sidecar",
+              "train.snapshot_every=null", "logging.wandb=false"]
+    stage1 = [str(REPO / "configs" / "testbed.yaml"), f"output_dir={tmp_path / 'stage1'}", "data.mixture.num_samples=6",
+              "data.mixture.max_new_tokens=16", "data.mixture.prefilled_samples=3", "data.max_seq_len=96",
+              "train.max_steps=3", *common]
+    prepared = _run("-m", "train.prepare", "--config", *stage1, f"target.path={target}")
+    manifest = json.loads(prepared.stdout.strip().splitlines()[-1])
+    assert manifest["generation"]["backend"] == "vllm" and manifest["features"]["complete"]
+    assert "[features] offline cache (bf16, rows)" in prepared.stderr
+    trained = _run(str(REPO / "train" / "dflash.py"), "--config", *stage1, f"target.path={poisoned}")
+    assert "[train] done: 3 steps" in trained.stdout + trained.stderr
+    assert "[features]" not in trained.stdout + trained.stderr  # nothing captured while training
+    stage1_drafter = find_drafter_folder(tmp_path / "stage1")
+    assert load_drafter(stage1_drafter).block_size == 8
+    assert all(torch.isfinite(t).all() for t in load_file(str(stage1_drafter / "model.safetensors")).values())
+
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(100, 40_000, (20,), generator=g).tolist()
+    records = [{"session_id": f"s{s}", "request_id": f"s{s}-r{t}", "timestamp": 1_700_000_000.0 + t,
+                "input_ids": system + torch.randint(100, 40_000, (6 + 4 * t,), generator=g).tolist(),
+                "output_ids": torch.randint(100, 40_000, (8,), generator=g).tolist()} for s in range(2) for t in range(2)]
+    write_trajectories(records, tmp_path / "logs" / "traffic.jsonl")
+    stage2 = [str(REPO / "configs" / "testbed-finetune.yaml"), f"output_dir={tmp_path / 'stage2'}",
+              f"data.trajectories=[{tmp_path / 'logs'}]", f"train.init_from={tmp_path / 'stage1'}", "data.max_seq_len=96",
+              "train.max_steps=2", "train.batch_size=2", "train.anchors_per_seq=4", *common]
+    prepared = _run("-m", "train.prepare", "--config", *stage2, f"target.path={target}")
+    manifest = json.loads(prepared.stdout.strip().splitlines()[-1])
+    assert manifest["kind"] == "dflash-prepared-trajectories" and manifest["ingest"]["accepted"] == 4
+    assert manifest["features"]["layout"] == "rows" and manifest["features"]["complete"]
+    trained = _run(str(REPO / "train" / "dflash.py"), "--config", *stage2, f"target.path={poisoned}")
+    assert "[train] done: 2 steps" in trained.stdout + trained.stderr and "[features]" not in trained.stdout + trained.stderr
+    stage2_weights = load_file(str(find_drafter_folder(tmp_path / "stage2") / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in stage2_weights.values())

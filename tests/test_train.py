@@ -248,20 +248,32 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
     log = workspace / "logs" / "traffic.jsonl"
     log.parent.mkdir(exist_ok=True)
     write_trajectories(records, log)
+    with open(log, "a") as f:
+        f.write('{"session_id": "s9", "request_id": "bad", "input_ids": [1, 2], "output_ids": "oops"}\n')
     out = workspace / "stage2"
-    result = _run([sys.executable, str(TRAIN), "--config", str(REPO / "configs" / "testbed-finetune.yaml"),
+    stage2_args = ["--config", str(REPO / "configs" / "testbed-finetune.yaml"),
                    f"output_dir={out}", f"target.path={workspace / 'target'}", f"data.trajectories=[{log}]",
                    f"train.init_from={reference_run}", f"cache_dir={workspace / 'cache'}", "train.max_steps=2",
-                   "train.batch_size=2", "train.anchors_per_seq=4", "train.precision=fp32", "logging.wandb=false"])
+                   "train.batch_size=2", "train.anchors_per_seq=4", "train.precision=fp32", "logging.wandb=false"]
+    # The prepare stage owns the data: the prefix-tree dataset with its manifest, then the feature cache.
+    prepared = _run([sys.executable, "-m", "train.prepare", *stage2_args])
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    manifest = json.loads(prepared.stdout.strip().splitlines()[-1])
+    assert manifest["kind"] == "dflash-prepared-trajectories"
+    ingest = manifest["ingest"]
+    assert (ingest["read"], ingest["accepted"], ingest["quarantined"]) == (13, 12, 1)
+    result = _run([sys.executable, str(TRAIN), *stage2_args])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"init_from {reference_run}" in result.stdout + result.stderr
+    assert not (out / "feature_capture.json").exists()  # training only read what prepare made
     stage1 = load_drafter(list_checkpoints(reference_run)[-1] / "drafter")
     stage2 = load_drafter(list_checkpoints(out)[-1] / "drafter")
     # the stage-1 architecture, target layers and mask token carry over (the YAML's drafter section is unused)
     assert stage2.config.num_hidden_layers == 1 and stage2.target_layer_ids == stage1.target_layer_ids
     assert stage2.mask_token_id == 3
-    assert (out / "trajectory_summary.json").exists()
-    # Stage 2 read its features from the prefix-tree cache: the target ran once per unique token of the
+    assert json.loads((out / "trajectory_summary.json").read_text())["ingest"]["quarantined"] == 1
+    assert "output_ids" in (out / "quarantine.jsonl").read_text()
+    # Stage 2's features come from the prefix-tree cache: the target ran once per unique token of the
     # training rows (the shared system prompt and each session's earlier turns once), not once per row.
     from data.prefix_tree import PrefixTree
 
@@ -269,7 +281,7 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
     for r in records:
         tree.add(r["input_ids"], r["output_ids"])
     stats = tree.stats()
-    capture = json.loads((out / "feature_capture.json").read_text())
+    capture = manifest["features"]
     assert capture["layout"] == "tree" and capture["complete"]
     assert capture["target_tokens"] == capture["cached_tokens"] == stats.unique_tokens
     assert capture["row_tokens"] == stats.path_tokens > stats.unique_tokens  # every row captured alone: 288 vs 216

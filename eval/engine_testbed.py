@@ -30,6 +30,24 @@ def tiny_engine_target(seed: int = 0):
     return model
 
 
+def save_chat_engine_target(out_dir: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """tiny_engine_target's shape with SmolLM2's vocabulary, tokenizer and chat template (copied from
+    tokenizer_from, the testbed target): a chat model vLLM's CPU build serves, for the tests that walk the
+    production path (prepare from chat prompts, serve, log, retrain) in seconds instead of minutes."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49_152, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).eval().save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(tokenizer_from) / name, Path(out_dir) / name)
+    return Path(out_dir)
+
+
 def train_on_greedy_continuations(target, prompts, draft_config, new_tokens: int, stop_ids, steps: int = 60):
     """A drafter fitted (CE, every anchor of each continuation) to the target's greedy continuations of prompts."""
     from drafters.capture import HFCapture

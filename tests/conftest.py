@@ -29,6 +29,14 @@ def testbed_target():
     return prepare_testbed_target()
 
 
+@pytest.fixture(scope="session")
+def chat_engine_target(testbed_target, tmp_path_factory):
+    """A tiny chat target vLLM's CPU build serves (eval/engine_testbed.py), with SmolLM2's tokenizer."""
+    from eval.engine_testbed import save_chat_engine_target
+
+    return save_chat_engine_target(tmp_path_factory.mktemp("chat-engine") / "target", testbed_target)
+
+
 def hostile_lines(n: int, seed: int, max_record_bytes: int) -> list[bytes]:
     """n JSONL lines that must each be quarantined, never stop a reader: one of every kind first, then random
     ones (huge integer literals, deep nesting, oversized records, truncated or random bytes, lone surrogates,

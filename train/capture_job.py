@@ -8,11 +8,10 @@ offline feature cache) and prints only the capture report, one JSON line per ran
 
 from __future__ import annotations
 
-import json
 import sys
 
 from configs.schema import ConfigError, PipelineConfig, load_config
-from train.prepare import engine_logs_to_stderr, parse_args, prepare
+from train.prepare import emit_json_line, engine_logs_to_stderr, parse_args, prepare
 
 
 def capture(config: PipelineConfig) -> dict:
@@ -30,7 +29,7 @@ def main(argv=None) -> None:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(json.dumps(report), flush=True)
+    emit_json_line(report)
 
 
 if __name__ == "__main__":

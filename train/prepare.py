@@ -21,8 +21,9 @@ Every process regenerates and captures its own share; ranks never wait on each o
 last one marks the cache complete. A killed preparation resumes: finished shards are kept. Training reads
 these artifacts, and builds them through this same code when they are missing (the one-command
 quickstart); a multi-process training run refuses to start without a complete feature cache.
-Its last line of output is the manifest, as one line of JSON, with the feature capture's report under
-"features" (what this rank's target computed against what the cache holds).
+Its last line of output is the manifest, as one line of JSON (printed by the main process), with the feature
+capture's report under "features" (what its target computed against what the cache holds; the other ranks
+log theirs).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def prepare(config: PipelineConfig) -> dict:
         manifest["features"] = capture_feature_cache(config, dataset, target_path, layer_ids, cache_root(config),
                                                      state.device, rank=state.process_index,
                                                      world_size=state.num_processes, log=log)
+    manifest["rank"], manifest["world_size"] = state.process_index, state.num_processes
     return manifest
 
 
@@ -84,6 +86,13 @@ def dataset_manifest(config: PipelineConfig, target_path: Path, cache: Path) -> 
     return json.loads((trajectory_dataset_dir(config, target_path, cache) / MANIFEST).read_text())
 
 
+def emit_json_line(obj: dict) -> None:
+    """One write per line: the processes of a launch share stdout, and print() writes the text and the newline
+    apart, so two ranks' lines could run together."""
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
 def engine_logs_to_stderr() -> None:
     """vLLM logs to stdout by default, down to its shutdown at exit: stdout carries only our JSON line."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -97,7 +106,10 @@ def main(argv=None) -> None:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(json.dumps(manifest, default=str), flush=True)
+    if manifest["rank"] == 0:
+        emit_json_line(manifest)
+    else:  # one manifest on stdout; the other ranks' capture reports go with their logs
+        print(f"[prepare] rank {manifest['rank']}: {json.dumps(manifest.get('features'))}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

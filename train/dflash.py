@@ -61,6 +61,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/testbed.yaml", help="YAML config (default: the CPU testbed)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+    parser.add_argument("--dry-run", action="store_true", help="print the run's plan (memory per GPU, feature bytes, "
+                        "regeneration, capture and training time; train/plan.py) and exit: no weights, no data")
     return parser.parse_args(argv)
 
 
@@ -516,6 +518,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
+        if args.dry_run:
+            from train.plan import print_plan
+
+            print_plan(config, args.config)
+            return
         train(config)
     except (ConfigError, DatasetError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

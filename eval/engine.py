@@ -249,11 +249,25 @@ def _engine_for(target: Path, drafter: Path | None, url: str | None, engine_kwar
     return InProcessEngine(target, drafter, **engine_kwargs)
 
 
+def check_engine_context(trace_sets: dict, max_new_tokens: int, max_model_len: int) -> None:
+    """Refuse, before an engine starts, a prompt the engine's context cannot hold with its new tokens."""
+    from eval.inputs import EvalError
+
+    longest = max(((t.num_tokens, c, t.id) for c, ts in trace_sets.items() for t in ts.traces), default=None)
+    if longest and longest[0] + max_new_tokens > max_model_len:
+        tokens, category, trace_id = longest
+        raise EvalError(f"{category} prompt {trace_id} has {tokens} tokens: with eval.max_new_tokens={max_new_tokens} "
+                        f"it does not fit the engine's context target.max_model_len={max_model_len}; raise "
+                        "target.max_model_len or lower eval.max_chars / eval.max_tokens")
+
+
 def evaluate_engine(drafter_args: list[str], config, engine_url: str | None = None,
-                    baseline_url: str | None = None, log=print, engine_kwargs: dict | None = None) -> dict:
+                    baseline_url: str | None = None, log=print, engine_kwargs: dict | None = None,
+                    include_target: bool = True) -> dict:
     """tau and tokens/s of each drafter served by vLLM, and the target alone, on eval.acceptance's traces.
 
-    In process: one engine per drafter, then one for the target alone, started one after the other.
+    In process: one engine per drafter, then one for the target alone, started one after the other
+    (``include_target=False`` leaves the target alone out: the retrain gate's current drafter needs only its tau).
     With ``engine_url`` (one drafter, already served there) and ``baseline_url`` (the target alone) the
     same measurements run against those servers. Writes report.json and report.md under the eval's report_dir.
     """
@@ -265,12 +279,14 @@ def evaluate_engine(drafter_args: list[str], config, engine_url: str | None = No
     if engine_url and len(specs) != 1:
         raise EvalError(f"--engine-url serves one drafter; {len(specs)} were given")
     engine_kwargs = {**eval_engine_kwargs(config), **(engine_kwargs or {})}
+    if not engine_url:
+        check_engine_context(trace_sets, settings.max_new_tokens, engine_kwargs.get("max_model_len", 2048))
     stop_ids = stop_token_ids(target_path, tokenizer)
     out_dir = report_dir(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     methods: dict[str, dict] = {}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
-    plan = [(s.name, s.folder, engine_url) for s in specs] + [("target", None, baseline_url)]
+    plan = [(s.name, s.folder, engine_url) for s in specs] + ([("target", None, baseline_url)] if include_target else [])
     for name, folder, url in plan:
         started = time.perf_counter()
         with _engine_for(target_path, folder, url, engine_kwargs) as engine:
@@ -285,7 +301,7 @@ def evaluate_engine(drafter_args: list[str], config, engine_url: str | None = No
                                              for t, r in zip(trace_sets[c].traces, rs)] for c, rs in runs.items()}}
             outputs[name] = {c: [r.tokens for r in rs] for c, rs in runs.items()}
     greedy = settings.temperature <= 0
-    for name in methods:
+    for name in methods if include_target else []:
         if greedy and name != "target":
             same = sum(a == b for c in outputs[name] for a, b in zip(outputs[name][c], outputs["target"][c]))
             methods[name]["identical_to_target"] = same

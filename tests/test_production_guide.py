@@ -48,12 +48,11 @@ def on_the_testbed(command: str, root: Path, overrides: dict[str, list[str]]) ->
     command = command.replace("/mnt/", f"{root}/mnt/")
     argv = shlex.split(command)
     argv = [str(root / a) if a.startswith(("outputs/", "exports/")) else a for a in argv]
-    config = argv[argv.index("--config") + 1]
     if argv[0] == "python":
         argv[0] = sys.executable
     elif argv[:2] == ["accelerate", "launch"]:
         argv[0] = str(ACCELERATE)
-    return argv + overrides[config]
+    return argv + (overrides[argv[argv.index("--config") + 1]] if "--config" in argv else [])
 
 
 def _sources(root: Path) -> dict[str, int]:
@@ -74,17 +73,30 @@ def _sources(root: Path) -> dict[str, int]:
     return {"agent-sessions": 1, "ultrachat": 1, "sharegpt": 1, "code-instructions": 1}
 
 
+def _sources_override(config_file: str, root: Path) -> str:
+    """The config's own data.mixture.sources, with /mnt/ under root."""
+    from configs.schema import load_config
+
+    sources = [source.model_dump(mode="json", exclude_none=True)
+               for source in load_config(REPO / config_file).data.mixture.sources]
+    for source in sources:
+        source["path"] = source["path"].replace("/mnt/", f"{root}/mnt/")
+    return f"data.mixture.sources={json.dumps(sources)}"
+
+
 def _overrides(root: Path, target: Path) -> dict[str, list[str]]:
     engine = [f"target.path={target}", "target.tensor_parallel=1", "target.expert_parallel=false",
-              "target.memory_share=0.05", "target.max_model_len=512", "target.trust_remote_code=false",
+              "target.memory_share=0.05", "target.max_model_len=1024", "target.trust_remote_code=false",
               f"cache_dir={root / 'cache'}", "logging.wandb=false"]
-    stage1 = engine + [f"output_dir={root / 'outputs' / 'kimi-k2.6'}", "data.mixture.num_samples=10",
+    stage1 = engine + [f"output_dir={root / 'outputs' / 'kimi-k2.6'}", _sources_override("configs/kimi-k2.6.yaml", root),
+                       "data.mixture.num_samples=10",
                        "data.mixture.max_prompt_tokens=128", "data.mixture.max_new_tokens=12",
                        "data.mixture.generation_batch_size=8", "data.mixture.prefilled_samples=0",
                        "data.max_seq_len=128", "drafter.num_layers=1", "drafter.num_target_features=3",
                        "drafter.num_key_value_heads=null", "train.batch_size=2", "train.grad_accum=1",
                        "train.anchors_per_seq=8", "train.max_steps=2", "train.precision=auto", "train.save_every=1",
-                       "train.snapshot_every=null", "eval.max_prompts=2", "eval.max_new_tokens=12"]
+                       "train.snapshot_every=null", "eval.max_prompts=2", "eval.max_new_tokens=12",
+                       "eval.max_chars=1000"]
     return {"configs/kimi-k2.6.yaml": stage1}
 
 
@@ -136,7 +148,7 @@ def test_plan_prepare_train_eval_and_export_run_as_written(walked):
         assert by_source[name]["quarantined"] == bad, by_source[name]
     assert sum(s["rows"] for s in manifest["sources"]) == manifest["rows"] >= 10
 
-    training = _step(done, "train/dflash.py")
+    training = _step(done, "accelerate launch")
     assert "[train] done: 2 steps" in training.stdout + training.stderr
     assert "[features]" not in training.stdout + training.stderr  # it read what prepare captured
 

@@ -286,7 +286,9 @@ def evaluate_engine(drafter_args: list[str], config, engine_url: str | None = No
     out_dir.mkdir(parents=True, exist_ok=True)
     methods: dict[str, dict] = {}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
-    plan = [(s.name, s.folder, engine_url) for s in specs] + ([("target", None, baseline_url)] if include_target else [])
+    plan = [(s.name, s.folder, engine_url) for s in specs]
+    if include_target:
+        plan.append(("target", None, baseline_url))
     for name, folder, url in plan:
         started = time.perf_counter()
         with _engine_for(target_path, folder, url, engine_kwargs) as engine:

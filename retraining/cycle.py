@@ -3,6 +3,7 @@
     python scripts/retrain.py --config configs/retrain-testbed.yaml [section.key=value ...]
     python scripts/retrain.py --config ... --status
     python scripts/retrain.py --config ... --rollback v0002
+    python scripts/retrain.py --config ... --bootstrap         # v0000 = retrain.initial_drafter, then on_promote
 
 Schedule the first form (cron, Kubernetes CronJob with concurrencyPolicy: Forbid). Each run is ONE cycle:
 
@@ -47,7 +48,8 @@ from retraining.state import (RetrainError, StateDir, copy_tree_atomic, load_sta
                               save_state, state_lock)
 from retraining.traffic import cycle_heldout_file, discover, is_heldout, session_roots, shuffle_tokens, unchanged
 from retraining.hooks import HookFailed
-from retraining.versions import bootstrap, check_exportable, export_all, notify, rollback, status, tell_engine
+from retraining.versions import (bootstrap, check_exportable, export_all, install_initial, notify, rollback, status,
+                                 tell_engine)
 
 EXIT_BUSY = 75  # EX_TEMPFAIL: another cycle holds the lock
 EXIT_HOOK_FAILED = 4  # the new version is current, retrain.on_promote failed: retry with --notify
@@ -375,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollback", metavar="VERSION", default=None, help="point `current` at an earlier version and exit")
     parser.add_argument("--status", action="store_true", help="print the state summary as JSON and exit")
     parser.add_argument("--notify", action="store_true", help="run retrain.on_promote again for the current version")
+    parser.add_argument("--bootstrap", action="store_true", help="install retrain.initial_drafter as v0000 (running "
+                        "retrain.on_promote) and exit; a cycle does this itself when no version exists")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. retrain.promotion_margin=0.05")
     args = parser.parse_args(argv)
     try:
@@ -385,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             rollback(config, args.rollback)
         elif args.notify:
             notify(config)
+        elif args.bootstrap:
+            install_initial(config)
         else:
             run_cycle(config)
     except HookFailed as err:

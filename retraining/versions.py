@@ -86,6 +86,24 @@ def bootstrap(config: PipelineConfig, sd: StateDir, state: dict, target_path: Pa
     tell_engine(config, "bootstrap", version, sd, log)
 
 
+def install_initial(config: PipelineConfig, log=print) -> str:
+    """`scripts/retrain.py --bootstrap`: install the initial drafter as v0000 (running retrain.on_promote, so that
+    the engine serves it before the first cycle); nothing to do once a version exists. Returns the current version."""
+    from drafters.target_loading import load_target_config
+    from train.setup import resolve_target
+
+    sd = StateDir(config.retrain.state_dir)
+    with state_lock(sd):
+        state = load_state(sd)
+        repair(sd, state, log)
+        if state["versions"]:
+            log(f"[retrain] bootstrap: {sd.root} already has versions; {state['promoted']} is current")
+            return state["promoted"]
+        target_path = resolve_target(config, log)
+        bootstrap(config, sd, state, target_path, load_target_config(target_path, config.target.trust_remote_code), log)
+        return state["promoted"]
+
+
 def tell_engine(config: PipelineConfig, event: str, version: str, sd: StateDir, log) -> None:
     """retrain.on_promote for a version that just became current (after the commit)."""
     from retraining.hooks import notify_engine

@@ -105,13 +105,16 @@ class SimResult:
 
 
 def simulate(config: SimConfig, out_dir: str | os.PathLike, target: str | os.PathLike | None = None, *,
-             model=None, tokenizer=None, num_threads: int | None = None, progress: bool = True) -> SimResult:
+             model=None, tokenizer=None, num_threads: int | None = None, progress: bool = True,
+             server_url: str | None = None) -> SimResult:
     """Simulate ``config.sessions`` agentic sessions with the target and write the log + summary.
 
     ``target``: a HF model folder (default: the testbed's SmolLM2-135M-Instruct). ``model`` /
     ``tokenizer``: already loaded ones (tests reuse them across runs); ``model`` must be in
     ``config.dtype``. ``num_threads``: torch threads for this call (restored afterwards); on a shared
-    2-core machine 1 thread is often faster than 2.
+    2-core machine 1 thread is often faster than 2. ``server_url``: the sessions are clients of that
+    OpenAI-compatible server (a vLLM server serving this target, or the log tap in front of one;
+    simulator/remote.py) instead of generating in process; ``target`` then gives only the tokenizer.
     """
     import torch
 
@@ -119,12 +122,13 @@ def simulate(config: SimConfig, out_dir: str | os.PathLike, target: str | os.Pat
     if num_threads:
         torch.set_num_threads(num_threads)
     try:
-        return _simulate(config, out_dir, target, model, tokenizer, progress)
+        return _simulate(config, out_dir, target, model, tokenizer, progress, server_url)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bool) -> SimResult:
+def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bool,
+              server_url: str | None) -> SimResult:
     import torch
 
     started = time.perf_counter()
@@ -135,18 +139,30 @@ def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bo
     target = Path(target)
     if tokenizer is None:
         tokenizer = load_tokenizer(target)
-    if model is None:
+    if server_url is None and model is None:
         from drafters.target_loading import load_target_model
 
         model = load_target_model(target, dtype=torch_dtype(config.dtype))
-    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if model is not None:
+        model_config = model.config
+    else:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(str(target))
+    max_positions = getattr(model_config, "max_position_embeddings", None)
     longest = config.context_cap + max(config.tool_tokens, config.summary_tokens) + 512
     if max_positions is not None and longest > max_positions:
         raise ValueError(f"context_cap={config.context_cap} leaves no room below the target's "
                          f"{max_positions}-token context; lower it")
     docs, other = split_code_documents(config.split, config.heldout_fraction)
     workspace = Workspace(docs, tokenizer, config.tool_tokens)
-    generator = TargetGenerator(model, tokenizer, config.temperature, config.seed)
+    if server_url is None:
+        generator = TargetGenerator(model, tokenizer, config.temperature, config.seed)
+    else:
+        from data.generation import stop_token_ids
+        from simulator.remote import ServerGenerator
+
+        generator = ServerGenerator(server_url, stop_token_ids(target, tokenizer), config.temperature, config.seed)
     try:
         sim = Simulator(config, generator, tokenizer, workspace, model_name=target.name)
         records = sim.run(progress=progress)
@@ -167,8 +183,8 @@ def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bo
     write_trajectories(records, path, format=config.format)
     wall = time.perf_counter() - started
     summary = {
-        "log": str(path), "target": str(target), "config": {k: (list(v) if isinstance(v, tuple) else v)
-                                                              for k, v in asdict(config).items()},
+        "log": str(path), "target": str(target), "server": server_url,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
         **summarize_log(records),
         "files_read": len(files_read), "split_files": len(allowed), "rounds": sim.rounds,
         "wall_seconds": round(wall, 2), "generation_seconds": round(generator.seconds, 2),
@@ -224,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="log file stem (default agentic-<split>-seed<seed>)")
     p.add_argument("--target", type=Path, default=None, help="HF model folder (default: the testbed target)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--server-url", default=None, help="send every request to this OpenAI-compatible server (a vLLM "
+                   "server or the log tap in front of one) instead of generating in process")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     config = SimConfig(sessions=a.sessions, split=a.split, seed=a.seed, turns=a.turns,
@@ -232,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        context_cap=a.context_cap, batch_size=a.batch_size, temperature=a.temperature,
                        dtype=a.dtype, format=a.format, tool_role=a.tool_role,
                        heldout_fraction=a.heldout_fraction, name=a.name)
-    result = simulate(config, a.out, a.target, num_threads=a.threads, progress=not a.quiet)
+    result = simulate(config, a.out, a.target, num_threads=a.threads, progress=not a.quiet, server_url=a.server_url)
     _print_summary(result.summary)
     print(f"summary: {result.summary_path}")
     return 0

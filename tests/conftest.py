@@ -15,6 +15,25 @@ class _Exploit:
         return (open, (self.marker, "w"))
 
 
+# The suite runs on two pytest-xdist workers (pyproject's addopts, --dist loadgroup), each module whole on one
+# worker so that its module fixtures (trained drafters, servers) are built once. The modules that start vLLM
+# engines or put a timed load on the log tap form one group, on one worker, scheduled first (the longest
+# group): two engines at once would reserve their KV-cache shares of host memory together, and the tap's load
+# tests hold requests for fixed seconds.
+SERIAL_GROUP = ("test_engine_capture", "test_engine_server", "test_engine_serving", "test_closed_loop",
+                "test_production_guide", "test_log_tap")
+
+
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        return "engine" if module in SERIAL_GROUP else module
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: group(item) != "engine")  # stable: the engine group first, the rest in order
+
+
 @pytest.fixture(scope="session")
 def crafted_pickle():
     """crafted_pickle(marker) -> pickle bytes that create `marker` when unpickled."""
@@ -35,6 +54,35 @@ def chat_engine_target(testbed_target, tmp_path_factory):
     from eval.engine_testbed import save_chat_engine_target
 
     return save_chat_engine_target(tmp_path_factory.mktemp("chat-engine") / "target", testbed_target)
+
+
+# The closed loop's CI variant (scripts/closed_loop.py on chat_engine_target): v0 trains 2 steps, the cycle 12.
+CLOSED_LOOP_V0 = ["data.mixture.num_samples=6", "data.mixture.max_new_tokens=16", "data.mixture.prefilled_samples=0",
+                  "data.max_seq_len=256", "train.max_steps=2", "train.snapshot_every=null", "logging.wandb=false",
+                  "drafter.num_layers=1", "drafter.num_key_value_heads=null", "drafter.num_target_features=3",
+                  "train.copy_heads=0"]
+
+
+@pytest.fixture(scope="session")
+def closed_loop_run(chat_engine_target, tmp_path_factory):
+    """One run of the loop command, shared by tests/test_closed_loop.py and the production guide's test:
+    (its output folder, the completed process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("closed-loop") / "loop"
+    argv = [sys.executable, "scripts/closed_loop.py", "--out", str(out),
+            *(x for o in CLOSED_LOOP_V0 for x in ("--v0-set", o)),
+            "--train-sessions", "3", "--heldout-sessions", "1", "--train-seed", "0", "--turns", "2",
+            "--max-new-tokens", "16", "--tool-tokens", "32", "--context-cap", "1024",
+            f"target.path={chat_engine_target}", "target.memory_share=0.05", "train.max_steps=12", "train.lr=3e-3",
+            "retrain.heldout_fraction=0.34", "retrain.eval.max_prompts=2", "retrain.eval.max_new_tokens=24"]
+    result = subprocess.run(argv, cwd=repo, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return out, result
 
 
 def hostile_lines(n: int, seed: int, max_record_bytes: int) -> list[bytes]:

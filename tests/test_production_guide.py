@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "production.md"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 # The closed loop runs these (tests/test_closed_loop.py); the guide names them for the Kimi retrain config.
-SERVING_STEPS = ("scripts/retrain.py", "-m data.log_tap")
+SERVING_STEPS = ("kimi-k2.6-retrain.yaml", "-m data.log_tap")
 
 
 def guide_commands(text: str) -> list[str]:
@@ -111,8 +112,10 @@ def walked(chat_engine_target, tmp_path_factory):
     for command in guide_commands(GUIDE.read_text()):
         if any(step in command for step in SERVING_STEPS):
             continue
+        started = time.monotonic()
         result = subprocess.run(on_the_testbed(command, root, overrides), cwd=REPO, env=env, capture_output=True,
                                 text=True, timeout=600)
+        print(f"{time.monotonic() - started:6.1f} s  {command}")
         assert result.returncode == 0, (command, result.stdout[-3000:], result.stderr[-5000:])
         done[command] = result
     return root, done, quarantined
@@ -160,3 +163,55 @@ def test_plan_prepare_train_eval_and_export_run_as_written(walked):
     export = root / "exports" / "kimi-k2.6-fp8"
     config = json.loads((export / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "fp8"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_log_retrain_and_rollback_are_the_closed_loops_commands(closed_loop_run):
+    """Step 6: the bootstrap, the log tap and the cycle are what the closed loop ran (tests/test_closed_loop.py
+    checks what they did); starting the server, the status and the rollback then run here on the loop's state."""
+    out, loop = closed_loop_run
+    assert loop.returncode == 0, loop.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    config, serve_dir, port = str(out / "loop-config.yaml"), out / "serve", str(_free_port())
+    ran = [argv[1:] for argv in report["commands"]]
+
+    def as_run(command: str) -> list[str]:
+        command = (command.replace("configs/kimi-k2.6-retrain.yaml", config)
+                   .replace("/mnt/dflash/serve", str(serve_dir)).replace("--port 8000", f"--port {port}"))
+        return shlex.split(command)[1:]
+
+    serving = [c for c in guide_commands(GUIDE.read_text()) if "kimi-k2.6-retrain.yaml" in c or "data.log_tap" in c]
+    checked_in_loop = [c for c in serving if c.endswith("--bootstrap") or c.endswith("retrain.yaml") or "log_tap" in c]
+    assert len(checked_in_loop) == 3
+    for command in checked_in_loop:
+        argv = as_run(command)
+        if "data.log_tap" in argv:
+            (tap,) = [r for r in ran if r[:2] == ["-m", "data.log_tap"]]
+            assert {a for a in argv if a.startswith("--")} <= {a for a in tap if a.startswith("--")}
+        else:
+            assert argv in ran, (argv, ran)
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        for command in serving:
+            if command in checked_in_loop:
+                continue
+            result = subprocess.run([sys.executable, *as_run(command)], cwd=REPO, env=env, capture_output=True,
+                                    text=True, timeout=600)
+            assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-3000:])
+            if command.endswith("--status"):
+                assert json.loads(result.stdout)["promoted"] == "v0001"
+        assert (out / "state" / "current").resolve().name == "v0000"
+        events = [json.loads(line) for line in (serve_dir / "serve.jsonl").read_text().splitlines()]
+        # start (the target alone), then the rollback's hook: stop, start with v0000's export
+        assert events[-1]["event"] == "started" and events[-1]["drafter"] == str(out / "state" / "versions" / "v0000" / "bf16")
+    finally:
+        subprocess.run([sys.executable, "scripts/serve.py", "stop", "--state-dir", str(serve_dir)], cwd=REPO, env=env,
+                       capture_output=True, timeout=120)

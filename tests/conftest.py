@@ -15,23 +15,15 @@ class _Exploit:
         return (open, (self.marker, "w"))
 
 
-# The suite runs on two pytest-xdist workers (pyproject's addopts, --dist loadgroup), each module whole on one
-# worker so that its module fixtures (trained drafters, servers) are built once. The modules that start vLLM
-# engines or put a timed load on the log tap form one group, on one worker, scheduled first (the longest
-# group): two engines at once would reserve their KV-cache shares of host memory together, and the tap's load
-# tests hold requests for fixed seconds.
-SERIAL_GROUP = ("test_engine_capture", "test_engine_server", "test_engine_serving", "test_closed_loop",
-                "test_production_guide", "test_log_tap")
+# The suite runs on two pytest-xdist workers (pyproject's addopts, --dist loadfile): each module whole on one
+# worker, so that its module fixtures (trained drafters, servers) are built once. The modules that start vLLM
+# engines are the longest; they are collected first so that the two workers end together.
+ENGINE_MODULES = ("test_engine_capture", "test_engine_server", "test_engine_serving", "test_closed_loop",
+                  "test_production_guide", "test_log_tap")
 
 
 def pytest_collection_modifyitems(config, items):
-    def group(item) -> str:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        return "engine" if module in SERIAL_GROUP else module
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: group(item) != "engine")  # stable: the engine group first, the rest in order
+    items.sort(key=lambda item: item.module.__name__.rsplit(".", 1)[-1] not in ENGINE_MODULES)  # stable
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +71,8 @@ def closed_loop_run(chat_engine_target, tmp_path_factory):
             "--train-sessions", "3", "--heldout-sessions", "1", "--train-seed", "0", "--turns", "2",
             "--max-new-tokens", "16", "--tool-tokens", "32", "--context-cap", "1024",
             f"target.path={chat_engine_target}", "target.memory_share=0.05", "train.max_steps=12", "train.lr=3e-3",
-            "retrain.heldout_fraction=0.34", "retrain.eval.max_prompts=2", "retrain.eval.max_new_tokens=24"]
+            "retrain.heldout_fraction=0.34", "retrain.eval.max_prompts=2", "retrain.eval.agentic_per_session=2",
+            "retrain.eval.max_new_tokens=24"]
     result = subprocess.run(argv, cwd=repo, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     return out, result

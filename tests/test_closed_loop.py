@@ -65,12 +65,13 @@ def test_the_loop_serves_logs_retrains_promotes_and_serves_v1(closed_loop_run):
     # 4. the promotion hook restarted the server with v1's export.
     assert events[2]["drafter"] == report["server"]["drafter_now"] == str(state / "versions" / "v0001" / "bf16")
     assert (state / "current").resolve() == (state / "versions" / "v0001").resolve()
-    # 5. held-out sessions through the server, tau from the engine's counters: v1 beats v0, same outputs.
+    # 5. held-out sessions through the server with v0, the same requests again with v1, tau from the engine's
+    #    counters: v1 beats v0, and serves the same outputs.
     v0, v1 = report["heldout"]["v0"], report["heldout"]["v1"]
     assert v0["requests"] == v1["requests"] == 2 and v0["drafts"] > 0 and v1["drafts"] > 0
     assert report["tau_v0"] == 1.0 + v0["accepted"] / v0["drafts"]
     assert report["v1_beats_v0_by_margin"] and report["tau_v1"] > report["tau_v0"] * 1.02
-    assert report["same_heldout_requests"]
+    assert v1["outputs_identical_to_v0_run"] == 2
     # The command leaves nothing running.
     spec = json.loads((out / "serve" / "server.json").read_text())
     assert spec["pid"] is None

@@ -158,9 +158,9 @@ def running_pid(spec: dict) -> int | None:
     return pid if pid and _alive(pid) and _is_our_server(pid, spec) else None
 
 
-def healthy(url: str, timeout: float = 5.0) -> bool:
+def healthy(url: str, timeout: float = 5.0, path: str = "/health") -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
+        with urllib.request.urlopen(f"{url}{path}", timeout=timeout) as response:
             return response.status == 200
     except OSError:
         return False

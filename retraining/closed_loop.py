@@ -139,6 +139,8 @@ def counters(url: str) -> tuple[int, int]:
 
 
 def start_tap(settings: LoopSettings, upstream: str, log, ran: list | None = None) -> tuple[subprocess.Popen, str]:
+    from eval.serve import healthy
+
     port = settings.tap_port or free_port()
     url = f"http://127.0.0.1:{port}"
     log_file = open(settings.out / "tap.log", "a", encoding="utf-8")
@@ -152,13 +154,10 @@ def start_tap(settings: LoopSettings, upstream: str, log, ran: list | None = Non
     while time.time() < deadline:
         if proc.poll() is not None:
             raise LoopError(f"the log tap exited with {proc.returncode} ({settings.out / 'tap.log'})")
-        try:
-            with urllib.request.urlopen(f"{url}/tap/health", timeout=2) as response:
-                if response.status == 200:
-                    log(f"[loop] log tap at {url} -> {upstream}, logs under {settings.out / 'tap-logs'}")
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
+        if healthy(url, timeout=2.0, path="/tap/health"):
+            log(f"[loop] log tap at {url} -> {upstream}, logs under {settings.out / 'tap-logs'}")
+            return proc, url
+        time.sleep(0.5)
     proc.kill()
     raise LoopError(f"the log tap did not come up in 120 s ({settings.out / 'tap.log'})")
 

@@ -21,6 +21,13 @@ from simulator.config import (BASE_EPOCH, COMPACT_PROMPT, GENERATOR, RUN_KINDS, 
 from simulator.workspace import Subject, Workspace
 
 
+def cut_at_eos(row: list[int], limit: int, eos_set) -> tuple[list[int], bool]:
+    """The first `limit` generated ids, up to and including the first EOS; whether an EOS ended them."""
+    row = row[:limit]
+    cut = next((k for k, t in enumerate(row) if t in eos_set), None)
+    return (row if cut is None else row[: cut + 1]), cut is not None
+
+
 class TargetGenerator:
     """The target's batched generation (data.generation, as regeneration generates), cut at each prompt's limit
     and end of turn, with the counts the summary reports."""
@@ -40,10 +47,8 @@ class TargetGenerator:
         """Generate for each prompt; returns (generated ids incl. EOS if produced, finished)."""
         results = []
         for row, limit in zip(self.batch.generate(prompts, max(limits), keys), limits):
-            row = row[:limit]
-            cut = next((k for k, t in enumerate(row) if t in self.eos_set), None)
-            gen = row if cut is None else row[: cut + 1]
-            results.append((gen, cut is not None))
+            gen, finished = cut_at_eos(row, limit, self.eos_set)
+            results.append((gen, finished))
             self.generated += len(gen)
         self.prefill += sum(len(p) for p in prompts)
         return results

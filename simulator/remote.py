@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from simulator.agents import cut_at_eos
+
 SESSION_HEADER = "X-Session-Id"
 
 
@@ -78,10 +80,8 @@ class ServerGenerator:
         self._seconds += time.perf_counter() - started
         results = []
         for row, limit in zip(rows, limits):
-            row = row[:limit]
-            cut = next((k for k, t in enumerate(row) if t in self.eos_set), None)
-            gen = row if cut is None else row[: cut + 1]
-            results.append((gen, cut is not None))
+            gen, finished = cut_at_eos(row, limit, self.eos_set)
+            results.append((gen, finished))
             self.generated += len(gen)
         self.prefill += sum(len(p) for p in prompts)
         self.requests += len(prompts)

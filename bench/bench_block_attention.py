@@ -1,7 +1,7 @@
 """The drafter's training step with its attention in groups of blocks, side by side with one dense masked SDPA.
 
 A training step's attention scores N*B block queries against [context ; N*B block slots], and the mask keeps
-only each block's own slots and the context before its anchor. drafters.blocks.BlockAttention runs it in
+only each block's own slots and the context before its anchor. drafters.drafter.blocks.BlockAttention runs it in
 groups of consecutive blocks instead, so that it skips most of what the mask throws away. This times the
 drafter's forward and backward (bf16 autocast, as training runs on a CPU that multiplies bf16, with the
 copy heads' attention and a loss on the draft hidden states) at the quickstart's shapes: SmolLM2-135M
@@ -21,11 +21,11 @@ import time
 import torch
 
 from configs.schema import DrafterConfig
-from drafters.blocks import sample_anchors
-from drafters.draft_config import build_draft_config
-from drafters.frozen_target import FrozenTargetHead
-from drafters.model import DFlashDrafter
-from drafters.testbed import prepare_testbed_target
+from drafters.drafter.blocks import sample_anchors
+from drafters.drafter.config import build_draft_config
+from drafters.target.frozen import FrozenTargetHead
+from drafters.drafter.model import DFlashDrafter
+from drafters.target.testbed import prepare_testbed_target
 
 MASK_TOKEN = 16
 

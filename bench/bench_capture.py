@@ -44,8 +44,8 @@ def run_variant(variant: str, tokens: int, dtype_name: str, reps: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from drafters.capture import HFCapture
-    from drafters.testbed import prepare_testbed_target
+    from drafters.target.capture import HFCapture
+    from drafters.target.testbed import prepare_testbed_target
 
     dtype = getattr(torch, dtype_name)
     model = AutoModelForCausalLM.from_pretrained(prepare_testbed_target(), dtype=dtype).eval()

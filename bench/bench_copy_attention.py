@@ -57,9 +57,9 @@ def main(argv=None) -> None:
     from bench.bench_heldout_tau import continuations
     from bench.bench_learning_curve import lookup_hits
     from configs.paths import default_cache_dir
-    from drafters.capture import HFCapture
-    from drafters.checkpoint import load_drafter
-    from drafters.frozen_target import FrozenTargetHead
+    from drafters.target.capture import HFCapture
+    from drafters.drafter.checkpoint import load_drafter
+    from drafters.target.frozen import FrozenTargetHead
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("drafter", help="serving-format drafter folder")

@@ -18,10 +18,10 @@ import time
 import torch
 
 from configs.schema import DrafterConfig
-from drafters.draft_config import build_draft_config
-from drafters.frozen_target import FrozenTargetHead
-from drafters.model import DFlashDrafter, DraftCache
-from drafters.testbed import prepare_testbed_target
+from drafters.drafter.config import build_draft_config
+from drafters.target.frozen import FrozenTargetHead
+from drafters.drafter.model import DFlashDrafter, DraftCache
+from drafters.target.testbed import prepare_testbed_target
 
 MASK_TOKEN = 16
 

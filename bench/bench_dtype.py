@@ -45,7 +45,7 @@ def bench(dtype: torch.dtype, model_path, reps: int) -> dict:
 
 
 def main() -> None:
-    from drafters.testbed import prepare_testbed_target
+    from drafters.target.testbed import prepare_testbed_target
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None)

@@ -10,7 +10,7 @@ serve       vLLM serving the target alone vs the target + a DFlash drafter (eval
             its trained drafter (eval/engine_testbed.py, tau ~7: the best case).
 --dtype     the SmolLM2 target's dtype in every part, for both sides ("auto": bf16 only where the hardware
             multiplies it natively, common/dtypes.py).
-regenerate  data.regenerate.regenerate on the same chat prompts with backend hf (transformers generate,
+regenerate  data.regeneration.regenerate.regenerate on the same chat prompts with backend hf (transformers generate,
             batch 16) and vllm: response tokens per second of generation (engine start-up reported apart).
 capture     write_feature_cache of the same rows (chat prompts + their regenerated answers) through
             forward hooks (HFCapture, bf16) and through vLLM's extract_hidden_states (EngineCapture):
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def serve_pair(target: Path, drafter: Path, traces, max_new_tokens: int, stop_ids: list[int], dtype: str) -> dict:
-    from eval.engine import InProcessEngine, run_traces, summarize_runs
+    from engines.vllm.engine import InProcessEngine, run_traces, summarize_runs
 
     out = {}
     for name, folder in (("target", None), ("target+drafter", drafter)):
@@ -54,13 +54,13 @@ def part_serve(args, tmp: Path) -> dict:
 
     from eval import engine_testbed
     from configs.schema import DrafterConfig
-    from data.chat_masks import load_tokenizer
-    from data.generation import stop_token_ids
-    from drafters.checkpoint import save_drafter
-    from drafters.draft_config import build_draft_config
-    from drafters.model import DFlashDrafter
+    from drafters.target.chat import load_tokenizer
+    from engines.hf.generation import stop_token_ids
+    from drafters.drafter.checkpoint import save_drafter
+    from drafters.drafter.config import build_draft_config
+    from drafters.drafter.model import DFlashDrafter
     from eval.traces import agentic_traces, heldout_traces
-    from drafters.testbed import prepare_testbed_target
+    from drafters.target.testbed import prepare_testbed_target
 
     smol = prepare_testbed_target()
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def part_serve(args, tmp: Path) -> dict:
     result = {"smollm2_untrained_drafter": serve_pair(smol, Path(untrained), traces, args.max_new_tokens, stop_ids,
                                                       args.dtype)}
     if args.drafter:
-        from drafters.checkpoint import find_drafter_folder
+        from drafters.drafter.checkpoint import find_drafter_folder
 
         result["smollm2_trained_drafter"] = serve_pair(smol, find_drafter_folder(args.drafter), traces,
                                                        args.max_new_tokens, stop_ids, args.dtype)
@@ -92,8 +92,8 @@ def bench_prompts(n: int) -> list[dict]:
 
 
 def part_regenerate(args, tmp: Path) -> dict:
-    from data.regenerate import regenerate
-    from drafters.testbed import prepare_testbed_target
+    from data.regeneration.regenerate import regenerate
+    from drafters.target.testbed import prepare_testbed_target
 
     target = prepare_testbed_target()
     out = {}
@@ -116,17 +116,17 @@ def part_capture(args, tmp: Path, regenerated: list[list[int]] | None) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from data.engine_capture import EngineCapture
+    from engines.vllm.capture import EngineCapture
     from data.feature_cache import write_feature_cache
-    from drafters.capture import HFCapture
-    from drafters.testbed import prepare_testbed_target
+    from drafters.target.capture import HFCapture
+    from drafters.target.testbed import prepare_testbed_target
 
     target = prepare_testbed_target()
     layer_ids = [1, 8, 14, 20, 27]
     if regenerated:
         rows = [{"input_ids": r} for r in regenerated]
     else:
-        from data.chat_masks import load_tokenizer
+        from drafters.target.chat import load_tokenizer
 
         tok = load_tokenizer(target)
         rows = [{"input_ids": tok.apply_chat_template(p["messages"], tokenize=True, return_dict=False)}

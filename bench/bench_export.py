@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from configs.schema import DrafterConfig
-from drafters import contract, fp8
-from drafters.checkpoint import config_dict, save_drafter
-from drafters.draft_config import build_draft_config
-from drafters.model import DFlashDrafter
-from drafters import export
+from drafters.export import contract, fp8
+from drafters.drafter.checkpoint import config_dict, save_drafter
+from drafters.drafter.config import build_draft_config
+from drafters.drafter.model import DFlashDrafter
+from drafters.export import exporter as export
 
 GOAL = 0.55
 MASK = 16
@@ -40,7 +40,7 @@ def smollm2_config():
     try:
         from transformers import AutoConfig
 
-        from drafters.testbed import prepare_testbed_target
+        from drafters.target.testbed import prepare_testbed_target
 
         return AutoConfig.from_pretrained(prepare_testbed_target()), "testbed target folder"
     except RuntimeError:  # testbed packages missing: the same widths by hand

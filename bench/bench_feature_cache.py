@@ -9,7 +9,7 @@ Measures, and prints as ONE JSON line on stdout:
          concatenated K layers would give (why the cache scales each layer separately).
   tree   a prefix tree of simulated multi-turn sessions (random ids; turn t's prompt = all earlier
          turns + a new part; one sub-agent forks from a session's context), written as trajectory
-         logs and read back with data.trajectories, then: target tokens computed by the tree capture
+         logs and read back with data.trajectory.reader, then: target tokens computed by the tree capture
          (each unique token once) vs capturing every request on its own (what the logs hold) vs every
          root-to-leaf path from scratch; wall time of tree capture vs per-request capture; and the
          difference between a request's features assembled from tree edges and captured directly.
@@ -35,7 +35,7 @@ LAYER_IDS = [1, 8, 14, 20, 27]
 def simulate_sessions(sessions: int, turns: int, vocab: int, seed: int = 0):
     """TrajectoryRecords: `sessions` sessions of `turns` turns sharing a system prompt; session 0 spawns a
     sub-agent (3 turns) that starts from its turn-2 context."""
-    from data.trajectories import TrajectoryRecord
+    from data.trajectory.reader import TrajectoryRecord
 
     rng = np.random.default_rng(seed)
     ids = lambda n: rng.integers(0, vocab, int(n), dtype=np.int32)  # noqa: E731
@@ -137,8 +137,8 @@ def measure_tree(capture, args, work: Path, vocab: int) -> dict:
     import torch
 
     from data.feature_cache import FeatureCacheReader, write_feature_cache, write_tree_feature_cache
-    from data.prefix_tree import PrefixTree
-    from data.trajectories import load_trajectories, write_trajectories
+    from data.trajectory.prefix_tree import PrefixTree
+    from data.trajectory.reader import load_trajectories, write_trajectories
 
     records = simulate_sessions(args.sessions, args.turns, vocab)
     log = work / "sessions.jsonl.gz"
@@ -195,8 +195,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from drafters.capture import HFCapture
-    from drafters.testbed import prepare_testbed_target
+    from drafters.target.capture import HFCapture
+    from drafters.target.testbed import prepare_testbed_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

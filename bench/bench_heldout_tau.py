@@ -3,7 +3,7 @@
 On the evaluation's own held-out code and prose prompts (eval.traces.heldout_traces), the target (fp32, as
 in the eval) writes its greedy continuation once with eval's `target_generate`; then every drafter drafts a
 block at every continuation position and slot k counts as accepted while slots 1..k match the target's
-tokens. That is exactly the `sim tau` of `python -m eval.acceptance` (which matches decoded tau within
+tokens. That is exactly the `sim tau` of `dflash-pipeline eval` (which matches decoded tau within
 ~0.01 on the testbed), without the decoding of drafters, prompt lookup and the target alone:
 
     python -m bench.bench_heldout_tau outputs/testbed other=/tmp/run/checkpoints/step-000300
@@ -22,8 +22,8 @@ import torch
 
 def continuations(target, tokenizer, prompts: int, new_tokens: int, categories=("code", "prose")) -> dict:
     """{category: [(sequence [1, T], n_prompt)]}: each held-out prompt and the target's greedy answer."""
-    from data.generation import stop_token_ids
-    from drafters.spec_decode import target_generate
+    from engines.hf.generation import stop_token_ids
+    from drafters.decoding.spec_decode import target_generate
     from eval.traces import heldout_traces
 
     stop_ids = stop_token_ids(target, tokenizer)
@@ -40,13 +40,13 @@ def continuations(target, tokenizer, prompts: int, new_tokens: int, categories=(
 def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from drafters.capture import HFCapture
-    from drafters.checkpoint import find_drafter_folder, load_drafter
-    from drafters.frozen_target import FrozenTargetHead
+    from drafters.target.capture import HFCapture
+    from drafters.drafter.checkpoint import find_drafter_folder, load_drafter
+    from drafters.target.frozen import FrozenTargetHead
     from eval.inputs import parse_drafter_arg
     from eval.measures import teacher_forced_slots
     from configs.paths import default_cache_dir
-    from drafters.objective import acceptance_stats
+    from drafters.drafter.objective import acceptance_stats
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("drafters", nargs="+", help="[NAME=]drafter folder, checkpoint or training output_dir")

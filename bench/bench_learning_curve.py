@@ -39,7 +39,7 @@ def lookup_hits(sequence: torch.Tensor, n_prompt: int) -> torch.Tensor:
     """[N] bool per continuation anchor a (as teacher_forced_slots orders them): prompt lookup's first
     drafted token after a is the target's next token. Splits slot-1 accuracy into copyable positions
     (the context already holds the answer) and the rest."""
-    from drafters.proposers import ngram_lookup
+    from drafters.decoding.proposers import ngram_lookup
 
     tokens = sequence[0].tolist()
     hits = []
@@ -51,7 +51,7 @@ def lookup_hits(sequence: torch.Tensor, n_prompt: int) -> torch.Tensor:
 
 def score(drafter, head, features_of, rows_of) -> dict:
     from eval.measures import teacher_forced_slots
-    from drafters.objective import acceptance_stats
+    from drafters.drafter.objective import acceptance_stats
 
     out = {}
     with torch.inference_mode():
@@ -124,9 +124,9 @@ def main(argv=None) -> None:
 
     from bench.bench_heldout_tau import continuations
     from common.atomic_files import write_json_atomic
-    from drafters.capture import HFCapture
-    from drafters.checkpoint import load_drafter
-    from drafters.frozen_target import FrozenTargetHead
+    from drafters.target.capture import HFCapture
+    from drafters.drafter.checkpoint import load_drafter
+    from drafters.target.frozen import FrozenTargetHead
     from eval.inputs import parse_drafter_arg
     from configs.paths import default_cache_dir
 

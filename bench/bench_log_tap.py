@@ -2,7 +2,7 @@
 
     python -m bench.bench_log_tap [--concurrency 200 --rounds 3]
 
-Starts tests/fake_upstream.py (vLLM's answer format, 4 tokens an answer) and `python -m data.log_tap` as
+Starts tests/fake_upstream.py (vLLM's answer format, 4 tokens an answer) and `dflash-pipeline tap` as
 processes, fires `concurrency` requests at once (half streamed, half chat) `rounds` times through the tap,
 then the same straight to the upstream, side by side. Prints one JSON object.
 """
@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
         up_port, tap_port = free_port(), free_port()
         upstream = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_upstream.py"), str(up_port)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        tap = subprocess.Popen([sys.executable, "-m", "data.log_tap", "--upstream", f"http://127.0.0.1:{up_port}",
+        tap = subprocess.Popen([sys.executable, "-m", "scripts.cli", "tap", "--upstream", f"http://127.0.0.1:{up_port}",
                                 "--out", tmp, "--port", str(tap_port)], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "tap.err", "w"))
         try:

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from drafters.objective import BlockTargets, block_loss, slot_weights
+from drafters.drafter.objective import BlockTargets, block_loss, slot_weights
 
 MEMORY_CAP = 20 * 2**30
 

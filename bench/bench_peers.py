@@ -11,7 +11,7 @@
    SpecForge: `specforge train` itself, bench/peers/specforge_run.py; speculators: its model, loss, data and
    optimizer in a plain loop, bench/peers/speculators_loop.py, because its Trainer cannot run on a CPU).
    Wall time, steps and peak memory (the process tree's max RSS) are measured here.
-5. Decode the held-out prompts with ONE decoder, ours (python -m eval.acceptance), for every final drafter;
+5. Decode the held-out prompts with ONE decoder, ours (dflash-pipeline eval), for every final drafter;
    every output is checked against the target's greedy output. Optionally (--curves) score every snapshot
    teacher forced (bench/bench_learning_curve.py) for the learning curves.
 
@@ -61,9 +61,9 @@ def prepare(config_path: str, overrides: list[str], out: Path, peers: list[str],
 
     from bench.peers.export import export_specforge, export_speculators
     from configs.schema import load_config
-    from drafters.checkpoint import config_dict
-    from drafters.model import dflash_settings
-    from drafters.target_loading import load_target_config
+    from drafters.drafter.checkpoint import config_dict
+    from drafters.drafter.model import dflash_settings
+    from drafters.target.loading import load_target_config
     from train.features import feature_source
     from train.setup import cache_root, resolve_draft_config, resolve_target, training_dataset
 
@@ -222,7 +222,7 @@ def budget_steps(startup: float, per_step: float, budget_seconds: float) -> int:
 
 def final_drafter(name: str, run: Path) -> Path:
     if name == "ours":
-        from drafters.checkpoint import find_drafter_folder
+        from drafters.drafter.checkpoint import find_drafter_folder
 
         return find_drafter_folder(run)
     return sorted((run / "snapshots").glob("step-*"))[-1]
@@ -230,7 +230,7 @@ def final_drafter(name: str, run: Path) -> Path:
 
 def decode(drafters: dict[str, Path], args, out: Path) -> dict:
     eval_dir = out / "eval"
-    cmd = [sys.executable, "-m", "eval.acceptance", "--config", args.config,
+    cmd = [sys.executable, "-m", "scripts.cli", "eval", "--config", args.config,
            *[f"--drafter={name}={path}" for name, path in drafters.items()], "--traces", args.traces,
            "--max-prompts", str(args.prompts), "--max-new-tokens", str(args.new_tokens),
            "--reference-subset", "0", "--threads", str(args.threads), "--out", str(eval_dir), *args.overrides]

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from configs.schema import load_config
-from drafters.testbed import prepare_testbed_target
+from drafters.target.testbed import prepare_testbed_target
 from train.plan import build_plan, greedy_rows, measure_training_step
 
 TENSORS = ("weights", "gradients", "optimizer", "activations", "loss_peak")

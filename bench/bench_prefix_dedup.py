@@ -15,7 +15,7 @@ windowed training paths. Prints ONE JSON line on stdout.
     python bench/bench_prefix_dedup.py            # defaults (~20 s here)
     python bench/bench_prefix_dedup.py --sessions 8 --max-seq-len 3072
 
-``--through-training`` instead runs stage-2 training itself (``train.dflash.train``, one step,
+``--through-training`` instead runs stage-2 training itself (``train.loop.train``, one step,
 ``features.mode: offline``) on the simulated logs with a tiny random target of Kimi's vocabulary, and
 reports what the target computed to build the feature cache (counted at the target's forward) against
 the unique tokens of the training rows, the unique tokens of the logs, the rows' tokens (what a
@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 
-from data.prefix_tree import PrefixTree
-from data.trajectories import TrajectoryReader, TrajectoryRecord, write_trajectories
+from data.trajectory.prefix_tree import PrefixTree
+from data.trajectory.reader import TrajectoryReader, TrajectoryRecord, write_trajectories
 
 
 def _ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
@@ -117,11 +117,11 @@ def through_training(records: list[TrajectoryRecord], work: Path, max_seq_len: i
     import torch
 
     from configs.schema import load_config
-    from drafters.checkpoint import save_drafter
-    from drafters.model import DFlashDrafter
-    from drafters.target_loading import load_target_config
-    from drafters.testbed import tiny_llama_target
-    from train.dflash import train
+    from drafters.drafter.checkpoint import save_drafter
+    from drafters.drafter.model import DFlashDrafter
+    from drafters.target.loading import load_target_config
+    from drafters.target.testbed import tiny_llama_target
+    from train.loop import train
     from train.setup import build_draft_config
 
     log = work / "logs" / "traffic.jsonl.gz"

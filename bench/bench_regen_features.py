@@ -36,12 +36,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     from configs.schema import load_config
     from data.feature_cache import write_feature_cache
-    from data.mixture import mixture_prompts
-    from data.regenerate import SUMMARY_FILE, regenerate
-    from data.regenerated_features import RegeneratedFeatures, features_dir
-    from drafters.capture import HFCapture
-    from drafters.draft_config import build_target_layer_ids
-    from drafters.testbed import prepare_testbed_target
+    from data.sources.mixture import mixture_prompts
+    from data.regeneration.regenerate import SUMMARY_FILE, regenerate
+    from data.feature_cache.regenerated import RegeneratedFeatures, features_dir
+    from drafters.target.capture import HFCapture
+    from drafters.drafter.config import build_target_layer_ids
+    from drafters.target.testbed import prepare_testbed_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

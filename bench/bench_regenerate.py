@@ -1,6 +1,6 @@
 """Regeneration throughput of the testbed target (SmolLM2-135M-Instruct, bf16) on the CPU.
 
-Runs data.regenerate.regenerate() end to end (chat template, left-padded batched generation, shards,
+Runs data.regeneration.regenerate.regenerate() end to end (chat template, left-padded batched generation, shards,
 final dataset) for each batch size on the same prompts and prints one JSON line:
 
     python -m bench.bench_regenerate --batch-sizes 8,32 --max-new-tokens 64 --num-prompts 32
@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from data.regenerate import SUMMARY_FILE, regenerate
+    from data.regeneration.regenerate import SUMMARY_FILE, regenerate
 
     if args.target is None:
-        from drafters.testbed import prepare_testbed_target
+        from drafters.target.testbed import prepare_testbed_target
 
         target = prepare_testbed_target()
     else:

@@ -1,4 +1,4 @@
-"""Batched generation with grouped-query attention (drafters/target_attention.py) against a baseline.
+"""Batched generation with grouped-query attention (drafters/target/attention.py) against a baseline.
 
 Regeneration's own work, side by side: the testbed mixture's prompts (configs/testbed.yaml, real lengths, sorted
 by length as `regenerate` sorts them), the target in `--dtype` (fp32 by default), batches of `--batch-size`
@@ -10,7 +10,7 @@ attention, alternating which goes first, so both see the same load. Baselines (`
 - `cache`: the same grouped attention with the library's cache, which concatenates bf16 keys and values at every
   step, against `decoding_cache`'s buffers with fp32 keys;
 - `head`: the same target whose vocabulary projection takes the prefill's strided last row as it comes
-  (drafters/target_loading.py `contiguous_head_input` undone).
+  (drafters/target/loading.py `contiguous_head_input` undone).
 
     python -m bench.bench_target_attention --num-prompts 64 --batch-size 32 --max-new-tokens 192
     python -m bench.bench_target_attention --baseline kernel --dtype bfloat16 --batch-size 64
@@ -29,9 +29,9 @@ import time
 
 
 def _batches(config, batch_size: int, tokenizer, context: int | None) -> list[list[list[int]]]:
-    """The mixture's prompts as regeneration screens and sorts them (data.regenerate's own rules)."""
-    from data.mixture import mixture_prompts
-    from data.regenerate import regeneration_order
+    """The mixture's prompts as regeneration screens and sorts them (data.regeneration.regenerate's own rules)."""
+    from data.sources.mixture import mixture_prompts
+    from data.regeneration.regenerate import regeneration_order
 
     mixture = config.data.mixture
     ids = regeneration_order(mixture_prompts(config), tokenizer, mixture.max_prompt_tokens, mixture.max_new_tokens,
@@ -70,13 +70,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     from common import dtypes
     from configs.schema import load_config
-    from data.chat_masks import load_tokenizer
-    from data.generation import BatchGenerator
-    from drafters.capture import HFCapture
-    from drafters.draft_config import build_target_layer_ids
-    from drafters.target_attention import use_on_cpu
-    from drafters.target_loading import load_target_model
-    from drafters.testbed import prepare_testbed_target
+    from drafters.target.chat import load_tokenizer
+    from engines.hf.generation import BatchGenerator
+    from drafters.target.capture import HFCapture
+    from drafters.drafter.config import build_target_layer_ids
+    from drafters.target.attention import use_on_cpu
+    from drafters.target.loading import load_target_model
+    from drafters.target.testbed import prepare_testbed_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -6,6 +6,7 @@ dotted path named. Command-line overrides use dotted paths: `train.lr=3e-4 draft
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -27,7 +28,7 @@ class TargetConfig(Strict):
     # HF device_map for sharding a large target over several GPUs ("auto"), or a single device ("cpu", "cuda:0").
     device_map: str | dict[str, Any] | None = None
     # The engine that runs the target, for regeneration, feature capture and the eval's engine runs
-    # (data/engine_settings.py turns this block into each engine's arguments): "hf" (transformers in process,
+    # (engines/settings.py turns this block into each engine's arguments): "hf" (transformers in process,
     # sharded by device_map; features by forward hooks), "vllm" or "sglang" (the installed engine; a backend
     # that is not installed is refused when the config loads).
     backend: Literal["hf", "vllm", "sglang"] = "hf"
@@ -51,7 +52,7 @@ class TargetConfig(Strict):
     # Run the Python code a target folder ships (config.json / tokenizer_config.json auto_map), e.g. Kimi K2's
     # tokenizer. Off: such a folder is refused with an error naming this key.
     trust_remote_code: bool = False
-    # How caches recognise the target (drafters/target_fingerprint.py): "content" hashes every file once per
+    # How caches recognise the target (drafters/target/fingerprint.py): "content" hashes every file once per
     # run; "sidecar" reads per-file hashes from dflash-fingerprint.json beside the weights (multi-TB targets:
     # rewrite it whenever a file changes).
     fingerprint: Literal["content", "sidecar"] = "content"
@@ -80,7 +81,7 @@ class DrafterConfig(Strict):
     # Reference convention: id i = OUTPUT of 0-based target layer i (HF hidden_states[i + 1]).
     # None: the reference formula build_target_layer_ids(num_target_layers, num_target_features).
     target_layer_ids: list[int] | None = None
-    # None: chosen from the target's tokenizer (see drafters.draft_config.choose_mask_token_id).
+    # None: chosen from the target's tokenizer (see drafters.drafter.config.choose_mask_token_id).
     mask_token_id: int | None = None
     # Widths default to the target's; hidden_size always equals the target's.
     intermediate_size: int | None = None
@@ -95,7 +96,7 @@ DEFAULT_WEIGHTS = {"code": 0.5, "prose": 0.2, "chat": 0.3}
 
 
 class SourceConfig(Strict):
-    """One entry of data.mixture.sources: a built-in corpus, or the user's own prompts (data/prompt_sources.py)."""
+    """One entry of data.mixture.sources: a built-in corpus, or the user's own prompts (data/sources/user_files.py)."""
     # A built-in corpus (code: CPython's standard library; prose: Shakespeare; chat: MT-Bench and ChatterBot) ...
     builtin: Literal["code", "prose", "chat"] | None = None
     # ... or a local JSONL, JSON, Parquet or Arrow file, a folder of them, or a `datasets` folder.
@@ -140,7 +141,7 @@ class MixtureConfig(Strict):
     # Equal to sources: [{builtin: code, weight: 0.5}, {builtin: prose, weight: 0.2}, {builtin: chat, weight: 0.3}].
     # None: these defaults, when `sources` is empty.
     weights: dict[Literal["code", "prose", "chat"], float] | None = None
-    # Where the prompts come from (data/prompt_sources.py); num_samples is split over them by weight. Empty:
+    # Where the prompts come from (data/sources/user_files.py); num_samples is split over them by weight. Empty:
     # the built-in corpora, by `weights`. Set it and leave `weights` out.
     sources: list[SourceConfig] = []
     # A source that holds fewer prompts than its share is refused before regeneration; true: take what it holds.
@@ -153,7 +154,7 @@ class MixtureConfig(Strict):
     # The engine that regenerates, when it differs from target.backend (say, vLLM regeneration beside hf
     # capture). None: target.backend.
     generation_backend: Literal["hf", "vllm", "sglang"] | None = None
-    # Prompts answered by restating their code or prose excerpt instead of by decoding (data/mixture.py):
+    # Prompts answered by restating their code or prose excerpt instead of by decoding (data/sources/mixture.py):
     # cheap copy-from-context data, trained along the target's greedy path (needs train.anchor_scope: sequence).
     prefilled_samples: int = Field(0, ge=0)
     # Relative weights of the prefilled samples' categories.
@@ -235,7 +236,7 @@ class TrainConfig(Strict):
     # (what greedy verification accepts; no target vocabulary projection per step once a row is seen).
     loss: Literal["kl", "ce", "ce_target"] = "kl"
     # ce / ce_target only: blend in total variation, 1 - q(label), as LK losses do (arXiv 2602.23881): the CE
-    # weight lam = exp(-tv_eta * mean q(label)) falls as the drafter improves (drafters/objective.py). None: CE.
+    # weight lam = exp(-tv_eta * mean q(label)) falls as the drafter improves (drafters/drafter/objective.py). None: CE.
     tv_eta: float | None = Field(None, gt=0)
     # Train the vocabulary projection over the N tokens the target emits most often on the training data instead of
     # the whole vocabulary (the projection is most of a CPU step); serving always uses the full head.
@@ -244,10 +245,10 @@ class TrainConfig(Strict):
     # Slot weights exp(-(k-1)/gamma); None picks the paper's value for the block size (7 for 16).
     gamma: float | None = None
     # Keep slot k with probability w_k instead of weighting it: the same loss in expectation for fewer
-    # vocabulary projections (44% of them at gamma 7, block 16); drafters/objective.py block_loss.
+    # vocabulary projections (44% of them at gamma 7, block 16); drafters/drafter/objective.py block_loss.
     sample_slots: bool = False
     # Supervised copy heads, prompt lookup's lookup taught to attention: head m attends to the positions
-    # m + 1 after earlier occurrences of the anchor token whose continuation is right (drafters/objective.py
+    # m + 1 after earlier occurrences of the anchor token whose continuation is right (drafters/drafter/objective.py
     # copy_loss). The query is the last layer's slot m + 1 ("slot") or the first layer's slot 0 ("anchor").
     # 0: off. Training only: the drafter and its checkpoint format are unchanged. It pays with a key/value
     # head per query head (drafter.num_key_value_heads), not with the target's few (BENCHMARKS.md).
@@ -403,8 +404,6 @@ class PipelineConfig(Strict):
 
     @model_validator(mode="after")
     def _engines_are_installed(self) -> "PipelineConfig":
-        from importlib.util import find_spec
-
         used = {"target.backend": self.target.backend, "target.capture_backend": self.target.capture_backend,
                 "data.mixture.generation_backend": self.data.mixture.generation_backend}
         for key, backend in used.items():

@@ -1,6 +1,6 @@
 """Acceptance length (tau) and speed of DFlash drafters by real speculative decoding against the target.
 
-    python -m eval.acceptance --drafter CKPT [--drafter name=CKPT2 ...] [--target PATH]
+    dflash-pipeline eval --drafter CKPT [--drafter name=CKPT2 ...] [--target PATH]
         [--traces code,prose,agentic] [--agentic-log FILE_OR_DIR] [--max-prompts N] [--max-new-tokens N]
         [--max-tokens N] [--temperature T] [--reference-subset N] [--out DIR]
         [--config YAML] [section.key=value ...]
@@ -11,7 +11,7 @@ a folder, a checkpoint, an output_dir, an FP8 export; named by its path, or ``na
 
 Per prompt, in this order (interleaved, so machine-load drift hits every method alike): the target
 decoding alone (the baseline and, at T = 0, the ground truth), prompt-lookup drafting, every drafter
-(all three through ``drafters.spec_decode.decode``), the teacher-forced estimate, and on the first
+(all three through ``drafters.decoding.spec_decode.decode``), the teacher-forced estimate, and on the first
 ``reference_subset`` prompts of each category the z-lab reference decoder with the same checkpoints. At
 T = 0 every output is compared with the target's own greedy output token for token; a mismatch is reported
 (count and first differing position per prompt) and warned about loudly, never fatal. See eval/README.md
@@ -20,7 +20,6 @@ for the report.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -28,14 +27,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from common.dtypes import TORCH_DTYPES
 from configs.schema import PipelineConfig
-from drafters.spec_decode import Decoded, generate, lookup_generate, target_generate
-from data.generation import stop_token_ids
+from drafters.decoding.spec_decode import (
+    Decoded,
+    generate,
+    lookup_generate,
+    target_generate,
+)
+from drafters.drafter.objective import acceptance_stats
+from drafters.target.capture import HFCapture
+from drafters.target.frozen import FrozenTargetHead
+from drafters.target.loading import load_target_model
+from engines.hf.generation import stop_token_ids
+from eval import report as report_mod
 from eval.inputs import DrafterSpec, EvalError, load_spec, prepare, report_dir
-from eval.measures import (LOOKUP, TARGET, first_difference, mismatch, summarize_category, teacher_forced_slots)
-from eval.traces import TraceError, TraceSet
+from eval.measures import (
+    LOOKUP,
+    TARGET,
+    first_difference,
+    mismatch,
+    summarize_category,
+    teacher_forced_slots,
+)
+from eval.reference import load_reference_model, reference_generate
+from eval.traces import TraceSet
 
 REPORT_VERSION = 1
 
@@ -112,10 +130,6 @@ def choose_threads(requested: int | None) -> int:
 
 
 def load_models(specs: list[DrafterSpec], target_path: Path, target_config, tokenizer, config: PipelineConfig) -> Models:
-    from drafters.frozen_target import FrozenTargetHead
-    from drafters.target_loading import load_target_model
-    from eval.reference import load_reference_model
-
     ev = config.eval
     dtype = TORCH_DTYPES[ev.dtype]
     device_map = config.target.device_map
@@ -151,8 +165,6 @@ def warm_up(models: Models, trace_sets: dict[str, TraceSet]) -> None:
 
 
 def decode_all(specs, models: Models, trace_sets: dict[str, TraceSet], config: PipelineConfig) -> Collected:
-    from tqdm.auto import tqdm
-
     greedy = config.eval.temperature <= 0
     collected = Collected(runs={c: {m: [] for m in models.methods} for c in trace_sets},
                           sim_slots={c: {s.name: [] for s in specs} for c in trace_sets},
@@ -219,9 +231,6 @@ def record_prompt(collected: Collected, category: str, trace, results: dict[str,
 
 def simulate_prompt(collected: Collected, models: Models, category: str, trace, truth: list[int], row: dict) -> None:
     """The teacher-forced estimate of every drafter on the target's own continuation (one target pass)."""
-    from drafters.capture import HFCapture
-    from drafters.objective import acceptance_stats
-
     sequence = torch.tensor([trace.input_ids + truth], dtype=torch.long)
     union_ids = sorted({i for d in models.drafters.values() for i in d.target_layer_ids})
     hidden = models.head.hidden_size
@@ -242,8 +251,6 @@ def simulate_prompt(collected: Collected, models: Models, category: str, trace, 
 def cross_check_reference(collected: Collected, models: Models, name: str, category: str, trace,
                           results: dict[str, Decoded], row: dict, config: PipelineConfig, seed: int) -> None:
     """z-lab's decoder with the same checkpoint on the same prompt, compared with ours (and the target's)."""
-    from eval.reference import reference_generate
-
     ev = config.eval
     truth = results[TARGET].tokens
     ids = torch.tensor([trace.input_ids], dtype=torch.long)
@@ -335,7 +342,7 @@ def assemble_report(specs, models: Models, trace_sets, collected: Collected, con
                 "device": str(head.embed_tokens.weight.device), "torch": torch.__version__}
     return {
         "version": REPORT_VERSION,
-        "backend": "decoder (drafters.spec_decode on the HF target, in process)",
+        "backend": "decoder (drafters.decoding.spec_decode on the HF target, in process)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_seconds": wall,
         "settings": settings,
@@ -353,8 +360,6 @@ def assemble_report(specs, models: Models, trace_sets, collected: Collected, con
 
 
 def write_outputs(report: dict, config: PipelineConfig, log) -> None:
-    from eval import report as report_mod
-
     out_dir = report_dir(config)
     report_mod.write_report(report, out_dir)
     if config.eval.wandb:
@@ -368,109 +373,11 @@ def write_outputs(report: dict, config: PipelineConfig, log) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.acceptance", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", action="append", default=[], metavar="[NAME=]CKPT",
-                   help="drafter folder, training checkpoint (with drafter/), output_dir or FP8 export; repeatable")
-    p.add_argument("--target", default=None, help="target model folder (default: config target.path, else the testbed target)")
-    p.add_argument("--traces", default=None, help="comma-separated categories: code,prose,agentic[,chat] (default: config eval.categories)")
-    p.add_argument("--agentic-log", action="append", default=[], metavar="FILE_OR_DIR",
-                   help="held-out agent sessions (trajectory format, token ids); repeatable")
-    p.add_argument("--agentic-per-session", type=int, default=None, help="last N requests of each session (default 1)")
-    p.add_argument("--max-prompts", type=int, default=None, help="per category (default: config eval.max_prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: config eval.max_new_tokens")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="per category budget of prompt tokens + max_new_tokens per prompt (default: no limit)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: config eval.temperature)")
-    p.add_argument("--reference-subset", type=int, default=None,
-                   help="prompts per category cross-checked with z-lab's dflash_generate (default: config eval.reference_subset)")
-    p.add_argument("--out", default=None, help="report folder (default: <output_dir>/eval with --config, else outputs/eval)")
-    p.add_argument("--config", default=None, help="pipeline YAML (configs/*.yaml); dotted overrides may follow")
-    p.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "float32", "fp32"],
-                   help="target and drafter dtype (default float32: exact greedy comparisons; bfloat16 is faster on CPU)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-chars", type=int, default=None, help="held-out prompt size in characters (default 2000)")
-    p.add_argument("--lookup-max-ngram", type=int, default=None)
-    p.add_argument("--lookup-num-draft", type=int, default=None, help="default: the first drafter's block size - 1")
-    p.add_argument("--no-sim", action="store_true", help="skip the teacher-forced estimate")
-    p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--device-map", default=None, help="shard the target in-process, e.g. auto (default: config target.device_map)")
-    p.add_argument("--backend", default=None, choices=["decoder", "vllm"],
-                   help="decoder: our decoding loop on the HF target; vllm: the serving engine (eval/engine.py); "
-                        "default: the config's engine block (target.backend: vllm -> vllm, hf -> decoder)")
-    p.add_argument("--engine-url", default=None, help="vllm backend: a server already serving the drafter")
-    p.add_argument("--engine-baseline-url", default=None, help="vllm backend: a server serving the target alone")
-    p.add_argument("--wandb", action="store_true", help="log the summary and plots to wandb (project/mode from config logging)")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. eval.max_prompts=4")
-    return p
-
-
-FLAG_KEYS = {"target": "target.path", "device_map": "target.device_map", "agentic_per_session": "eval.agentic_per_session",
-             "max_prompts": "eval.max_prompts", "max_new_tokens": "eval.max_new_tokens", "max_tokens": "eval.max_tokens",
-             "temperature": "eval.temperature", "reference_subset": "eval.reference_subset", "out": "eval.out",
-             "dtype": "eval.dtype", "seed": "eval.seed", "max_chars": "eval.max_chars",
-             "lookup_max_ngram": "eval.lookup_max_ngram", "lookup_num_draft": "eval.lookup_num_draft",
-             "threads": "eval.threads"}
-
-
-def config_from_args(args) -> tuple[PipelineConfig, list[str]]:
-    """The config file and overrides, then the flags given (each sets its config key)."""
-    from configs.schema import load_config, with_values
-
-    config = load_config(args.config, args.overrides)
-    values = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
-    if args.traces:
-        values["eval.categories"] = [c.strip() for c in args.traces.split(",") if c.strip()]
-    if args.agentic_log:
-        values["eval.agentic_log"] = list(args.agentic_log)
-    if args.no_sim:
-        values["eval.simulate"] = False
-    if args.no_warmup:
-        values["eval.warmup"] = False
-    if args.wandb:
-        values["eval.wandb"] = True
-    if not args.config and args.out is None and config.eval.out is None:
-        values["eval.out"] = "outputs/eval"
-    notes = []
-    agentic_log = values.get("eval.agentic_log", config.eval.agentic_log)
-    if not args.traces and "agentic" in config.eval.categories and not agentic_log:
-        # from a config, not asked for explicitly: skip without a log
-        values["eval.categories"] = [c for c in config.eval.categories if c != "agentic"]
-        notes.append("agentic skipped: no --agentic-log given")
-    return with_values(config, values), notes
-
-
 def eval_backend(flag: str | None, config: PipelineConfig) -> str:
     """--backend, else what the config's engine block serves with."""
     if flag is not None:
         return flag
     if config.target.backend == "sglang":
-        raise EvalError("target.backend is sglang: SGLang is measured on its GPU server (scripts/sglang_gpu_check.py); "
+        raise EvalError("target.backend is sglang: SGLang is measured on its GPU server (dflash-pipeline sglang-check); "
                         "pass --backend decoder (the target in process) or --backend vllm")
     return "vllm" if config.target.backend == "vllm" else "decoder"
-
-
-def main(argv: list[str] | None = None) -> int:
-    from configs.schema import ConfigError
-
-    args = build_parser().parse_args(argv)
-    try:
-        config, notes = config_from_args(args)
-        for note in notes:
-            print(f"[eval] {note}", file=sys.stderr)
-        if eval_backend(args.backend, config) == "vllm":
-            from eval.engine import evaluate_engine
-
-            evaluate_engine(args.drafter, config, args.engine_url, args.engine_baseline_url)
-            return 0
-        evaluate(args.drafter, config, notes=notes)
-    except (EvalError, TraceError, ConfigError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,16 +8,26 @@ tiny Llama (testbed.tiny_llama_target's family, head size 64 so that vLLM's CPU 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from configs.schema import DrafterConfig
+from data.trajectory.reader import write_trajectories
+from drafters.decoding.spec_decode import target_generate
+from drafters.drafter.checkpoint import save_drafter
+from drafters.drafter.config import build_draft_config
+from drafters.drafter.model import DFlashDrafter
+from drafters.drafter.objective import block_loss, block_targets, default_gamma
+from drafters.target.capture import HFCapture
+from drafters.target.frozen import FrozenTargetHead
 
 VOCAB, BLOCK, NEW = 512, 8, 40
 
 
 def tiny_engine_target(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -34,10 +44,6 @@ def save_chat_engine_target(out_dir: Path, tokenizer_from: Path, seed: int = 0) 
     """tiny_engine_target's shape with SmolLM2's vocabulary, tokenizer and chat template (copied from
     tokenizer_from, the testbed target): a chat model vLLM's CPU build serves, for the tests that walk the
     production path (prepare from chat prompts, serve, log, retrain) in seconds instead of minutes."""
-    import shutil
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(vocab_size=49_152, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -50,12 +56,6 @@ def save_chat_engine_target(out_dir: Path, tokenizer_from: Path, seed: int = 0) 
 
 def train_on_greedy_continuations(target, prompts, draft_config, new_tokens: int, stop_ids, steps: int = 60):
     """A drafter fitted (CE, every anchor of each continuation) to the target's greedy continuations of prompts."""
-    from drafters.capture import HFCapture
-    from drafters.frozen_target import FrozenTargetHead
-    from drafters.model import DFlashDrafter
-    from drafters.objective import block_loss, block_targets, default_gamma
-    from drafters.spec_decode import target_generate
-
     block = draft_config.block_size
     torch.manual_seed(0)
     drafter = DFlashDrafter(draft_config)
@@ -82,11 +82,6 @@ def train_on_greedy_continuations(target, prompts, draft_config, new_tokens: int
 
 def build(root: Path) -> dict:
     """Saves the target, a three-session agent log (token ids) and a trained drafter under root."""
-    from configs.schema import DrafterConfig
-    from data.trajectories import write_trajectories
-    from drafters.checkpoint import save_drafter
-    from drafters.draft_config import build_draft_config
-
     root.mkdir(parents=True, exist_ok=True)
     target = tiny_engine_target()
     target.save_pretrained(root / "target")

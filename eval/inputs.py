@@ -2,7 +2,7 @@
 
 A drafter is a reference-format folder (config.json + model.safetensors), a training checkpoint folder
 holding ``drafter/``, a training output_dir (its newest ``checkpoints/step-*``), or an FP8 export
-(config.json with "quantization_config"); ``drafters.checkpoint.find_drafter_folder`` is the one rule. It
+(config.json with "quantization_config"); ``drafters.drafter.checkpoint.find_drafter_folder`` is the one rule. It
 is named by its path, or ``name=path``. Every drafter is checked against the target's config before
 anything is decoded (layer ids, mask id, vocabulary, hidden size; both values named) and for finite weights.
 """
@@ -14,9 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from transformers import Qwen3Config
 
 from configs.schema import PipelineConfig
-from drafters.checkpoint import find_drafter_folder, load_drafter
+from drafters.drafter.checkpoint import find_drafter_folder, load_drafter
+from drafters.drafter.config import text_config, validate_target
+from drafters.export.fp8 import load_fp8_drafter
+from drafters.target.chat import load_tokenizer
+from drafters.target.loading import load_target_config
+from drafters.target.testbed import prepare_testbed_target
 from eval.measures import LOOKUP, TARGET
 from eval.traces import TraceError, TraceSet, agentic_traces, heldout_traces
 
@@ -79,10 +86,6 @@ def resolve_drafter(arg: str) -> DrafterSpec:
 
 def check_fit(spec: DrafterSpec, target_config, target_name: str) -> None:
     """Refuse a drafter that cannot run on this target, naming both values (before any decoding)."""
-    from transformers import Qwen3Config
-
-    from drafters.draft_config import text_config, validate_target
-
     raw = {k: v for k, v in spec.config.items() if k != "quantization_config"}
     target = text_config(target_config)
     where = f"drafter {spec.name!r} ({spec.folder}) does not fit the target {target_name}"
@@ -97,8 +100,6 @@ def check_fit(spec: DrafterSpec, target_config, target_name: str) -> None:
 
 def check_finite(spec: DrafterSpec) -> None:
     """Refuse a drafter with NaN / inf weights (a diverged training run): it would report tau 1.0 as if valid."""
-    from safetensors import safe_open
-
     with safe_open(str(spec.folder / "model.safetensors"), framework="pt") as f:
         bad = [name for name in f.keys() if not torch.isfinite(f.get_tensor(name).float()).all()]
     if bad:
@@ -108,8 +109,6 @@ def check_finite(spec: DrafterSpec) -> None:
 
 
 def load_spec(spec: DrafterSpec, dtype: torch.dtype, target_config):
-    from drafters.fp8 import load_fp8_drafter
-
     if spec.kind == "fp8":
         drafter = load_fp8_drafter(spec.folder, dtype=dtype)
     else:
@@ -122,8 +121,6 @@ def report_dir(config: PipelineConfig) -> Path:
 
 
 def load_eval_tokenizer(target_path, config: PipelineConfig):
-    from data.chat_masks import load_tokenizer
-
     try:
         return load_tokenizer(target_path, trust_remote_code=config.target.trust_remote_code,
                               thinking=config.data.thinking), None
@@ -135,8 +132,6 @@ def prepare(drafter_args: list[str], config: PipelineConfig, log=print):
     """Everything that can be refused, before any model weight is loaded or anything decoded:
     drafter folders, fit against the target config, traces. Returns (specs, target_path, target_config,
     tokenizer, trace_sets, notes)."""
-    from drafters.target_loading import load_target_config
-
     specs = [resolve_drafter(a) for a in drafter_args]
     names = [s.name for s in specs]
     clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & RESERVED_NAMES))
@@ -154,8 +149,6 @@ def prepare(drafter_args: list[str], config: PipelineConfig, log=print):
 
 def resolve_eval_target(config: PipelineConfig) -> Path:
     if config.target.path is None:
-        from drafters.testbed import prepare_testbed_target
-
         return prepare_testbed_target(Path(config.cache_dir) if config.cache_dir else None)
     target_path = Path(config.target.path)
     if not (target_path / "config.json").is_file():
@@ -165,8 +158,6 @@ def resolve_eval_target(config: PipelineConfig) -> Path:
 
 def load_trace_sets(config: PipelineConfig, target_path: Path, target_config):
     """(the target's tokenizer or None, {category: TraceSet}, notes)."""
-    from drafters.draft_config import text_config
-
     ev = config.eval
     text = text_config(target_config)
     max_positions = getattr(text, "max_position_embeddings", None)

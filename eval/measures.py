@@ -7,8 +7,13 @@ import statistics
 
 import torch
 
-from drafters.objective import acceptance_stats, block_loss, block_targets, default_gamma
-from drafters.spec_decode import Decoded
+from drafters.decoding.spec_decode import Decoded
+from drafters.drafter.objective import (
+    acceptance_stats,
+    block_loss,
+    block_targets,
+    default_gamma,
+)
 
 TARGET = "target"
 LOOKUP = "prompt_lookup"

@@ -2,7 +2,7 @@
 
 The same checkpoint is loaded with ``DFlashDraftModel.from_pretrained`` in the same dtype as our drafter
 and decoded with ``dflash_generate`` against the same target instance. An FP8 export, which the
-reference cannot load, is dequantized exactly as our loader does (``drafters.fp8``), written to a
+reference cannot load, is dequantized exactly as our loader does (``drafters.export.fp8``), written to a
 temporary reference-format folder and loaded from there, so both decoders run the same weights.
 
 The reference times itself with ``_cuda_time`` (``torch.cuda.synchronize()`` + ``perf_counter``); on a
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from drafters.spec_decode import Decoded
+from drafters.decoding.spec_decode import Decoded
+from drafters.drafter.checkpoint import save_drafter
 
 
 def reference_module():
@@ -55,7 +56,6 @@ def load_reference_model(folder: str | Path, dtype: torch.dtype, *, fp8: bool = 
     else:
         if ours is None:
             raise ValueError("an FP8 export needs our dequantized drafter to build the reference copy")
-        from drafters.checkpoint import save_drafter
 
         with tempfile.TemporaryDirectory(prefix="dflash-ref-") as tmp:
             path = save_drafter(ours, Path(tmp) / "drafter", dtype=dtype)

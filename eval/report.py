@@ -114,7 +114,7 @@ def _sim_section(report: dict) -> list[str]:
         return []
     lines = ["## Cheap estimate vs real decoding", "",
              "Simulated tau: teacher forcing on the target's own continuations (blocks anchored at every "
-             "position, `drafters.objective.acceptance_stats`) vs tau measured by decoding.", ""]
+             "position, `drafters.drafter.objective.acceptance_stats`) vs tau measured by decoding.", ""]
     lines.append("| category | " + " | ".join(f"{d} (sim / real)" for d in drafters) + " |")
     lines.append("|---|" + "---|" * len(drafters))
     for cat, c in cats.items():

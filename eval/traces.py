@@ -3,15 +3,15 @@
 * ``code`` / ``prose`` (and ``chat``: held-out MT-Bench / ChatterBot questions, no document excerpt in
   the prompt; available from the CLI, not in ``EvalConfig.categories``): single-turn chat prompts built
   from HELD-OUT documents only
-  (``data.sources.iter_prompts(category, split="heldout")``; no held-out document, and no near-duplicate
+  (``data.sources.builtin.iter_prompts(category, split="heldout")``; no held-out document, and no near-duplicate
   in its split group, is ever trained on), rendered with the target's chat template
-  (``data.chat_masks.prompt_ids``: the ids the target sees before it starts answering).
+  (``drafters.target.chat.prompt_ids``: the ids the target sees before it starts answering).
 * ``agentic``: logged coding-agent requests (``data/TRAJECTORY_FORMAT.md``: JSONL, JSONL.gz or Parquet,
-  files or folders) read with ``data.trajectories.load_trajectories``. A prompt is a request's
+  files or folders) read with ``data.trajectory.reader.load_trajectories``. A prompt is a request's
   ``input_ids`` (the whole session context the target saw) and the target continues with the next turn.
   By default the LAST request of each session is taken (the longest context, ``per_session`` > 1 takes
   the last few), sessions in order of first appearance.
-  The log must be held out from the drafter's fine-tuning data (e.g. ``scripts/simulate_agentic.py``'s
+  The log must be held out from the drafter's fine-tuning data (e.g. ``dflash-pipeline simulate``'s
   held-out sessions); this module cannot check that, it only reads ids.
 
 Limits, per category: at most ``max_prompts`` prompts, and at most ``max_tokens`` tokens in total, counted
@@ -30,6 +30,10 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from data.sources.builtin import iter_prompts
+from data.trajectory.reader import expand_paths, load_trajectories
+from drafters.target.chat import prompt_ids
 
 HELDOUT_CATEGORIES = ("code", "prose", "chat")
 CATEGORIES = ("code", "prose", "agentic", "chat")  # configs.schema.EvalConfig.categories: the same four
@@ -109,9 +113,6 @@ def heldout_traces(category: str, tokenizer, *, max_prompts: int, max_new_tokens
                    max_tokens: int | None = None, seed: int = 0, max_chars: int = 2000,
                    max_positions: int | None = None, chat_template: str | None = None) -> TraceSet:
     """Code or prose prompts from held-out documents, chat-template rendered."""
-    from data.chat_masks import prompt_ids
-    from data.sources import iter_prompts
-
     if category not in HELDOUT_CATEGORIES:
         raise ValueError(f"held-out traces exist for {HELDOUT_CATEGORIES}, not {category!r}")
     if tokenizer is None:
@@ -124,7 +125,7 @@ def heldout_traces(category: str, tokenizer, *, max_prompts: int, max_new_tokens
             yield Trace(prompt.id, category, [int(i) for i in ids],
                         {"task": prompt.task, "source": prompt.source, "document_id": prompt.document_id})
 
-    source = f"held-out {category} documents (data.sources split='heldout', seed {seed}, max_chars {max_chars})"
+    source = f"held-out {category} documents (data.sources.builtin split='heldout', seed {seed}, max_chars {max_chars})"
     # Bound the scan: a tight token budget should not tokenize the whole held-out corpus.
     limited = itertools.islice(candidates(), max(4 * max_prompts, max_prompts + 64))
     return _take(limited, category, max_prompts, max_tokens, max_new_tokens, max_positions, source)
@@ -134,8 +135,6 @@ def agentic_traces(paths, vocab_size: int, *, max_prompts: int, max_new_tokens: 
                    max_tokens: int | None = None, per_session: int = 1, max_positions: int | None = None,
                    quarantine_path: str | Path | None = None) -> TraceSet:
     """Logged agent requests as prompts: the last ``per_session`` requests of each session."""
-    from data.trajectories import expand_paths, load_trajectories
-
     if paths is None or (isinstance(paths, (list, tuple)) and not paths):
         raise TraceError("category 'agentic' needs --agentic-log FILE_OR_DIR (held-out agent sessions as token ids)")
     if per_session < 1:

@@ -1,15 +1,15 @@
-"""The loop, end to end, as one command: serve, log, retrain, promote, serve again (scripts/closed_loop.py).
+"""The loop, end to end, as one command: serve, log, retrain, promote, serve again (dflash-pipeline loop).
 
-    python scripts/closed_loop.py --out outputs/closed-loop [--config configs/closed-loop-testbed.yaml] [key=value ...]
+    dflash-pipeline loop --out outputs/closed-loop [--config configs/closed-loop-testbed.yaml] [key=value ...]
 
 1. **v0**: `train/dflash.py` trains a stage-1 drafter (`--v0-config`, capped by `train.max_steps`);
-   `scripts/retrain.py --bootstrap` installs it as v0000, and its `retrain.on_promote` hook
-   (`scripts/serve.py restart --drafter {bf16}`) starts the vLLM server with it.
-2. **Traffic**: the log tap (`python -m data.log_tap`) in front of the server, with the agent simulator's training
+   `dflash-pipeline retrain --bootstrap` installs it as v0000, and its `retrain.on_promote` hook
+   (`dflash-pipeline serve restart --drafter {bf16}`) starts the vLLM server with it.
+2. **Traffic**: the log tap (`dflash-pipeline tap`) in front of the server, with the agent simulator's training
    sessions as its clients (`simulator/remote.py`). Held-out sessions (the simulator's held-out split: other stdlib
    files) go straight to the server; the engine's own counters (`/metrics`) over exactly them give v0's tau.
 3. **Retrain**: the tap is stopped (SIGTERM: every answered request is in a closed segment), then one cycle of
-   `scripts/retrain.py` on the tap's logs: with `target.backend: vllm` its gate measures both drafters in the engine
+   `dflash-pipeline retrain` on the tap's logs: with `target.backend: vllm` its gate measures both drafters in the engine
    and runs the serving check there (retraining/gate.py).
 4. **Promote**: a promotion runs the same hook, which restarts the server with v1.
 5. **Held out again**: the same held-out requests through the server again, round by round as the sessions sent
@@ -34,7 +34,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.atomic_files import write_json_atomic, write_text_atomic
+from common.commands import cli_command
 from configs.schema import PipelineConfig, dump_config, load_config, with_values
+from drafters.drafter.checkpoint import find_drafter_folder
+from drafters.target.chat import load_tokenizer
+from engines.hf.generation import stop_token_ids
+from engines.vllm import server as serve
+from engines.vllm.engine import ServerEngine
+from engines.vllm.server import engine_flags, healthy, make_spec
+from retraining.state import StateDir, read_jsonl
+from simulator.remote import ServerGenerator
+from simulator.simulate import SimConfig, simulate
+from train.setup import resolve_target
 
 REPO = Path(__file__).resolve().parents[1]
 # v0 on the testbed within the loop's 30 minutes: a third of the quickstart's mixture, 300 steps.
@@ -114,8 +125,6 @@ def with_loop_paths(config: PipelineConfig, out: Path, v0: Path, hook: list[str]
 
 def train_v0(settings: LoopSettings, config: PipelineConfig, log) -> Path:
     """Stage 1 by train/dflash.py (reused when the loop runs again in the same --out); its final drafter folder."""
-    from drafters.checkpoint import find_drafter_folder
-
     out = settings.out / "v0"
     marker = settings.out / "v0-done.json"
     if marker.exists():
@@ -133,18 +142,14 @@ def train_v0(settings: LoopSettings, config: PipelineConfig, log) -> Path:
 
 
 def counters(url: str) -> tuple[int, int]:
-    from eval.engine import ServerEngine
-
     return ServerEngine(url, model="-").counters()
 
 
 def start_tap(settings: LoopSettings, upstream: str, log, ran: list | None = None) -> tuple[subprocess.Popen, str]:
-    from eval.serve import healthy
-
     port = settings.tap_port or free_port()
     url = f"http://127.0.0.1:{port}"
     log_file = open(settings.out / "tap.log", "a", encoding="utf-8")
-    argv = [sys.executable, "-m", "data.log_tap", "--upstream", upstream, "--out", str(settings.out / "tap-logs"),
+    argv = cli_command("tap") + ["--upstream", upstream, "--out", str(settings.out / "tap-logs"),
             "--port", str(port)]
     if ran is not None:
         ran.append(argv)
@@ -175,8 +180,6 @@ def stop_tap(proc: subprocess.Popen, url: str) -> dict:
 def sessions(settings: LoopSettings, split: str, seed: int, count: int, url: str, target: Path, out: Path,
              name: str) -> tuple[dict, list]:
     """Simulated sessions as clients of `url`: what they sent and got, the wall time, and the records."""
-    from simulator.simulate import SimConfig, simulate
-
     config = SimConfig(sessions=count, split=split, seed=seed, turns=settings.turns,
                        subagent_share=settings.subagent_share, max_new_tokens=settings.max_new_tokens,
                        tool_tokens=settings.tool_tokens, context_cap=settings.context_cap,
@@ -211,10 +214,6 @@ def heldout_replay(settings: LoopSettings, server_url: str, target: Path, record
     """v1: the same held-out requests again, round by round as the sessions sent them (the k-th request of every
     session together), so that both drafters are counted on identical prompts; a live rerun would diverge wherever
     the bf16 server's batched greedy output flips a near-tie (measured: the same v0 gave 1.199 and 1.235)."""
-    from data.chat_masks import load_tokenizer
-    from data.generation import stop_token_ids
-    from simulator.remote import ServerGenerator
-
     generate = ServerGenerator(server_url, stop_token_ids(target, load_tokenizer(target)), 0.0, 0)
     by_session: dict[str, list] = {}
     for record in sorted(records, key=lambda r: (r.timestamp, r.request_id)):
@@ -240,17 +239,12 @@ def heldout_replay(settings: LoopSettings, server_url: str, target: Path, record
 
 
 def run_loop(settings: LoopSettings, log=print) -> dict:
-    from eval import serve
-    from eval.serve import engine_flags, make_spec
-    from retraining.state import StateDir, read_jsonl
-    from train.setup import resolve_target
-
     started = time.time()
     out = settings.out = Path(settings.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim").mkdir(exist_ok=True)
     serve_dir = out / "serve"
-    hook = [sys.executable, str(REPO / "scripts" / "serve.py"), "restart", "--state-dir", str(serve_dir),
+    hook = cli_command("serve", "restart") + ["--state-dir", str(serve_dir),
             "--drafter", "{bf16}", "--timeout", str(settings.start_timeout)]
     config = loop_config(settings)
     config_path = out / "loop-config.yaml"
@@ -276,7 +270,7 @@ def run_loop(settings: LoopSettings, log=print) -> dict:
         t0 = time.time()
         port = settings.server_port or free_port()
         serve.write_spec(serve_dir, make_spec(target, engine_flags(config, target), port))
-        retrain = [sys.executable, "scripts/retrain.py", "--config", str(config_path)]
+        retrain = cli_command("retrain") + ["--config", str(config_path)]
         _run_step("bootstrap v0000 (its hook starts the server)", [*retrain, "--bootstrap"], out / "retrain.log", log,
                   ran)
         server_url = serve.url_of(serve.read_spec(serve_dir))
@@ -334,47 +328,3 @@ def run_loop(settings: LoopSettings, log=print) -> dict:
     log(f"[loop] {'promoted' if tau_v1 else cycle['status']}: held-out engine tau v0 {tau_v0} -> v1 {tau_v1} "
         f"(margin {margin:.0%}); {report['wall_seconds']} s; report {out / 'report.json'}")
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from configs.schema import ConfigError
-
-    d = LoopSettings(out=Path("outputs/closed-loop"))
-    parser = argparse.ArgumentParser(prog="scripts/closed_loop.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=d.out, help="work folder (report.json, state/, serve/, ...)")
-    parser.add_argument("--config", default=d.config, help="the loop's pipeline config (engine block, retrain section)")
-    parser.add_argument("--v0-config", default=d.v0_config, help="v0's training config (train/dflash.py)")
-    parser.add_argument("--v0-set", action="append", default=None, metavar="KEY=VALUE",
-                        help=f"v0's training overrides (repeatable; default: {' '.join(V0_OVERRIDES)})")
-    parser.add_argument("--train-sessions", type=int, default=d.train_sessions)
-    parser.add_argument("--heldout-sessions", type=int, default=d.heldout_sessions)
-    parser.add_argument("--train-seed", type=int, default=d.train_seed)
-    parser.add_argument("--heldout-seed", type=int, default=d.heldout_seed)
-    parser.add_argument("--turns", default=d.turns, help="assistant turns per session: N or A-B")
-    parser.add_argument("--subagent-share", type=float, default=d.subagent_share)
-    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    parser.add_argument("--tool-tokens", type=int, default=d.tool_tokens)
-    parser.add_argument("--context-cap", type=int, default=d.context_cap)
-    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="simulated requests in flight at once")
-    parser.add_argument("--server-port", type=int, default=0)
-    parser.add_argument("--tap-port", type=int, default=0)
-    parser.add_argument("overrides", nargs="*", help="dotted overrides of the loop's config, e.g. target.path=DIR")
-    args = parser.parse_args(argv)
-    settings = LoopSettings(
-        out=args.out, config=args.config, overrides=args.overrides, v0_config=args.v0_config,
-        v0_overrides=args.v0_set if args.v0_set is not None else list(V0_OVERRIDES),
-        train_sessions=args.train_sessions, heldout_sessions=args.heldout_sessions, train_seed=args.train_seed,
-        heldout_seed=args.heldout_seed, turns=args.turns, subagent_share=args.subagent_share,
-        max_new_tokens=args.max_new_tokens, tool_tokens=args.tool_tokens, context_cap=args.context_cap,
-        concurrency=args.concurrency, server_port=args.server_port, tap_port=args.tap_port)
-    # SIGTERM unwinds like Ctrl-C, so that the server (in its own session) and the tap are stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        report = run_loop(settings)
-    except (ConfigError, LoopError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0 if report["v1_beats_v0_by_margin"] else 1

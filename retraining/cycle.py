@@ -1,20 +1,20 @@
 """Continuous retraining: fine-tune the drafter on newly logged traffic, promote it only if it is better.
 
-    python scripts/retrain.py --config configs/retrain-testbed.yaml [section.key=value ...]
-    python scripts/retrain.py --config ... --status
-    python scripts/retrain.py --config ... --rollback v0002
-    python scripts/retrain.py --config ... --bootstrap         # v0000 = retrain.initial_drafter, then on_promote
+    dflash-pipeline retrain --config configs/retrain-testbed.yaml [section.key=value ...]
+    dflash-pipeline retrain --config ... --status
+    dflash-pipeline retrain --config ... --rollback v0002
+    dflash-pipeline retrain --config ... --bootstrap         # v0000 = retrain.initial_drafter, then on_promote
 
 Schedule the first form (cron, Kubernetes CronJob with concurrencyPolicy: Forbid). Each run is ONE cycle:
 
 1. ingest the trajectory logs (``retrain.incoming``) that arrived since the last cycle; a file is known by
    its absolute path + size + sha256, so a rewritten file is noticed; validation and quarantine are the
-   data module's (``data.trajectories.TrajectoryReader``, one quarantine file per cycle, the summary
+   data module's (``data.trajectory.reader.TrajectoryReader``, one quarantine file per cycle, the summary
    reconciles);
 2. split held-out traffic off BEFORE training sees it: by a hash of the session's ROOT session id (a
    sub-agent session follows the session that spawned it), all requests of a session on one side;
 3. dedup the training requests into a prefix tree -> dataset; fine-tune the currently promoted drafter on
-   it (``train.dflash.train``, stage finetune, weights-only ``init_from``, its own resumable output dir);
+   it (``train.loop.train``, stage finetune, weights-only ``init_from``, its own resumable output dir);
 4. evaluate the current and the candidate drafter on the same held-out recent traffic (greedy, real
    speculative decoding against the target, ``eval.acceptance.evaluate``; T=0 mismatches reported);
 5. promote the candidate only if its tau beats the current one by ``retrain.promotion_margin``: a new
@@ -31,25 +31,46 @@ scripts/RETRAIN.md for the state-dir layout and the state file format.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from datasets import load_from_disk
+
 from common.atomic_files import atomic_folder, write_json_atomic
-from common.locks import Busy
-from configs.schema import ConfigError, PipelineConfig, load_config
+from configs.schema import PipelineConfig
+from data.trajectory.prefix_tree import build_prefix_tree
+from data.trajectory.reader import TrajectoryReader, write_trajectories
+from drafters.drafter.config import text_config
+from drafters.target.loading import load_target_config
 from retraining.gate import evaluate_pair, gate
 from retraining.records import Cycle, Split, commit_cycle, summary_line
-from retraining.state import (RetrainError, StateDir, copy_tree_atomic, load_state, next_version, now_iso, repair,
-                              save_state, state_lock)
-from retraining.traffic import cycle_heldout_file, discover, is_heldout, session_roots, shuffle_tokens, unchanged
-from retraining.hooks import HookFailed
-from retraining.versions import (bootstrap, check_exportable, export_all, install_initial, notify, rollback, status,
-                                 tell_engine)
+from retraining.state import (
+    RetrainError,
+    StateDir,
+    copy_tree_atomic,
+    load_state,
+    next_version,
+    now_iso,
+    repair,
+    save_state,
+    state_lock,
+)
+from retraining.traffic import (
+    cycle_heldout_file,
+    discover,
+    is_heldout,
+    session_roots,
+    shuffle_tokens,
+    unchanged,
+)
+from retraining.versions import bootstrap, check_exportable, export_all, tell_engine
+from train.batches import DatasetError, check_training_dataset
+from train.checkpointing import latest_checkpoint, read_trainer_state
+from train.loop import train
+from train.setup import resolve_target
 
 EXIT_BUSY = 75  # EX_TEMPFAIL: another cycle holds the lock
 EXIT_HOOK_FAILED = 4  # the new version is current, retrain.on_promote failed: retry with --notify
@@ -106,9 +127,6 @@ def _run_cycle_locked(config: PipelineConfig, sd: StateDir, state: dict, log) ->
 def open_cycle(config: PipelineConfig, sd: StateDir, state: dict, log) -> Cycle:
     """The target, the promoted drafter (bootstrapped on the first run), and the cycle's files: a killed cycle's
     pinned set, or everything new (none: the cycle has nothing to do)."""
-    from drafters.target_loading import load_target_config
-    from train.setup import resolve_target
-
     started = time.time()
     target_path = resolve_target(config, log)
     target_config = load_target_config(target_path, config.target.trust_remote_code)
@@ -161,11 +179,8 @@ def commit_no_new_data(cycle: Cycle) -> dict:
 
 
 def ingest(cycle: Cycle) -> None:
-    """Read the cycle's files (validation and quarantine are data.trajectories'): the accepted requests and the
+    """Read the cycle's files (validation and quarantine are data.trajectory's): the accepted requests and the
     per-file and per-reason counts."""
-    from drafters.draft_config import text_config
-    from data.trajectories import TrajectoryReader
-
     t0 = time.time()
     record, files = cycle.record, cycle.files
     to_read = [f["path"] for f in files if f["status"] != "duplicate_content"]
@@ -219,8 +234,6 @@ def split_heldout(cycle: Cycle) -> Split:
     train_records = [r for r in records if r.request_id not in held_ids]
     heldout_file = cycle.dir / "heldout.jsonl.gz"
     if heldout and not heldout_file.exists():
-        from data.trajectories import write_trajectories
-
         write_trajectories(heldout, heldout_file)
     record["split"] = {
         "heldout_fraction": rc.heldout_fraction,
@@ -243,11 +256,6 @@ def split_heldout(cycle: Cycle) -> Split:
 def build_dataset(cycle: Cycle, split: Split) -> tuple[Path, str | None]:
     """Dedup the training requests into a prefix tree -> the training dataset (once per cycle). Returns its folder
     and, when it gives nothing to train on, why."""
-    from datasets import load_from_disk
-
-    from data.prefix_tree import build_prefix_tree
-    from train.batches import DatasetError, check_training_dataset
-
     t0 = time.time()
     config, record = cycle.config, cycle.record
     tree = build_prefix_tree(split.train)
@@ -282,7 +290,7 @@ def build_dataset(cycle: Cycle, split: Split) -> tuple[Path, str | None]:
 
 
 def fine_tune(cycle: Cycle, dataset_dir: Path) -> Path:
-    """Fine-tune the promoted drafter on the dataset (train.dflash.train, stage finetune, resumable); the candidate."""
+    """Fine-tune the promoted drafter on the dataset (train.loop.train, stage finetune, resumable); the candidate."""
     t0 = time.time()
     config, cdir = cycle.config, cycle.dir
     done_marker = cdir / "train_done.json"
@@ -290,9 +298,6 @@ def fine_tune(cycle: Cycle, dataset_dir: Path) -> Path:
         done = json.loads(done_marker.read_text())
         cycle.log(f"[retrain] training of cycle {cycle.number} already finished: {done['drafter']}")
     else:
-        from train.checkpointing import latest_checkpoint, read_trainer_state
-        from train.dflash import train
-
         tcfg = config.model_copy(deep=True)
         tcfg.run_name = f"{config.run_name}-retrain-cycle{cycle.number:04d}"
         tcfg.output_dir = str(cdir / "train")
@@ -369,48 +374,3 @@ def cleanup_after(cycle: Cycle, record: dict) -> dict:
 # --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/retrain-testbed.yaml", help="pipeline YAML with a retrain section")
-    parser.add_argument("--rollback", metavar="VERSION", default=None, help="point `current` at an earlier version and exit")
-    parser.add_argument("--status", action="store_true", help="print the state summary as JSON and exit")
-    parser.add_argument("--notify", action="store_true", help="run retrain.on_promote again for the current version")
-    parser.add_argument("--bootstrap", action="store_true", help="install retrain.initial_drafter as v0000 (running "
-                        "retrain.on_promote) and exit; a cycle does this itself when no version exists")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. retrain.promotion_margin=0.05")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        if args.status:
-            print(json.dumps(status(config), indent=2, default=str))
-        elif args.rollback:
-            rollback(config, args.rollback)
-        elif args.notify:
-            notify(config)
-        elif args.bootstrap:
-            install_initial(config)
-        else:
-            run_cycle(config)
-    except HookFailed as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_HOOK_FAILED
-    except Busy as err:
-        print(f"[retrain] {err}", file=sys.stderr)
-        return EXIT_BUSY
-    except (ConfigError, RetrainError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        from train.dflash import EXIT_DIVERGED, TrainingDiverged
-
-        if not isinstance(err, TrainingDiverged):
-            raise
-        print(f"error: {err} (the cycle stays in progress and resumes from that checkpoint)", file=sys.stderr)
-        return EXIT_DIVERGED
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

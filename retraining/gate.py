@@ -20,6 +20,9 @@ from pathlib import Path
 
 from common.atomic_files import write_json_atomic
 from configs.schema import PipelineConfig
+from drafters.export.exporter import export_drafter
+from eval.acceptance import evaluate
+from eval.engine import evaluate_engine, serving_check
 from retraining.records import Cycle
 
 
@@ -46,8 +49,6 @@ def evaluate_pair(cycle: Cycle, candidate: Path, window: list[str]) -> dict:
         if names != {"current": str(cycle.current_drafter), "candidate": str(candidate)}:
             report = None
     if report is None:
-        from eval.acceptance import evaluate
-
         report = evaluate([f"current={cycle.current_drafter}", f"candidate={candidate}"],
                           gate_eval_config(cycle, window, eval_dir), log=cycle.log)
     cat = report["categories"]["agentic"]
@@ -91,8 +92,6 @@ def gate(cycle: Cycle, candidate: Path, report: dict, window: list[str]) -> str 
             return ("the candidate's bf16 export failed the vLLM serving check "
                     f"({cdir / 'serving-check' / 'serving_check.json'})")
     elif rc.serving_check:  # the engine must serve the candidate as the decoder measured it (eval/engine.py)
-        from drafters.export import export_drafter
-        from eval.engine import serving_check
 
         export_drafter(candidate, cdir / "serving-check" / "bf16", "bf16", overwrite=True)
         check = serving_check(cdir / "serving-check" / "bf16", gate_eval_config(cycle, window, cdir / "serving-check"),
@@ -114,9 +113,6 @@ def evaluate_pair_engine(cycle: Cycle, candidate: Path, window: list[str]) -> di
     """The gate through the engine (target.backend: vllm): tau of the current drafter and of the candidate's bf16
     export from vLLM's counters on the same held-out traffic, and the candidate's exactness; returns the candidate's
     engine report (its serving check's, with retrain.serving_check)."""
-    from drafters.export import export_drafter
-    from eval.engine import evaluate_engine, serving_check
-
     t0 = time.time()
     rc, record, cdir = cycle.config.retrain, cycle.record, cycle.dir
     current = served_folder(cycle.current_drafter)

@@ -9,7 +9,7 @@ A URL gets them as a JSON POST. The hook runs after the state is committed: a fa
 version current and the exit status 4, so that the scheduler retries the notification, not the cycle
 (`scripts/retrain.py --notify` runs the hook again for the current version).
 
-Testbed: `scripts/serve.py restart` restarts a vLLM server with the promoted drafter. On GPUs a
+Testbed: `dflash-pipeline serve restart` restarts a vLLM server with the promoted drafter. On GPUs a
 rolling restart of the replicas does the same; SGLang can also swap weights in place through its
 `/update_weights_from_disk` endpoint (for the draft model where the installed version supports it).
 """

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from common.atomic_files import write_json_atomic
 from configs.schema import PipelineConfig
+from data.trajectory.reader import content_key
 from retraining.state import StateDir, commit, now_iso
 
 SESSION_ROOT_TTL_CYCLES = 168  # remembered sub-agent -> root session links expire after this many cycles
@@ -119,8 +120,6 @@ class Cycle:
 
     def finish(self, status: str, reason: str, *, consume: bool = True, roots=None, version=None) -> dict:
         """Write cycle.json and commit the cycle with this outcome."""
-        from data.trajectories import content_key
-
         record = self.record
         record["status"], record["reason"] = status, reason
         record["finished"] = now_iso()

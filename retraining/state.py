@@ -14,7 +14,12 @@ import os
 import shutil
 from pathlib import Path
 
-from common.atomic_files import atomic_folder, fsync_dir, make_readable, write_json_atomic
+from common.atomic_files import (
+    atomic_folder,
+    fsync_dir,
+    make_readable,
+    write_json_atomic,
+)
 from common.locks import FileLock
 
 STATE_FORMAT = 1

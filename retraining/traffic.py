@@ -7,13 +7,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from data.trajectory.reader import expand_paths
 from retraining.state import RetrainError, StateDir, sha256_file
 
 
 def discover(incoming: list[str], state: dict, sd: StateDir) -> list[dict]:
     """Files under ``incoming`` that are not consumed yet (new, or rewritten since), with their identity."""
-    from data.trajectories import expand_paths
-
     missing = [p for p in incoming if not Path(p).exists()]
     if missing:
         raise RetrainError(f"retrain.incoming path(s) {missing} do not exist")
@@ -93,8 +94,6 @@ def is_heldout(root_session_id: str, fraction: float) -> bool:
 
 def shuffle_tokens(dataset, seed: int):
     """Permute the tokens of every sequence (a training-data transform that destroys what can be learned)."""
-    import numpy as np
-
     def permute(row, idx):
         ids = np.asarray(row["input_ids"])
         rng = np.random.default_rng([seed, idx])

@@ -7,19 +7,31 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from common.atomic_files import make_readable, write_json_atomic
 from configs.schema import PipelineConfig
-from retraining.state import (RetrainError, StateDir, commit, copy_tree_atomic, load_state, now_iso, read_jsonl,
-                              repair, state_lock)
+from drafters.drafter.checkpoint import find_drafter_folder, load_drafter, save_drafter
+from drafters.drafter.model import DFlashDrafter
+from drafters.export import contract
+from drafters.export.exporter import export_drafter
+from drafters.target.loading import load_target_config
+from retraining.hooks import notify_engine
+from retraining.state import (
+    RetrainError,
+    StateDir,
+    commit,
+    copy_tree_atomic,
+    load_state,
+    now_iso,
+    read_jsonl,
+    repair,
+    state_lock,
+)
+from train.setup import resolve_draft_config, resolve_target
 
 
 def initial_drafter(config: PipelineConfig, target_path: Path, target_config, out: Path, log) -> str:
-    import torch
-
-    from drafters.checkpoint import find_drafter_folder, load_drafter, save_drafter
-    from drafters.model import DFlashDrafter
-    from train.setup import resolve_draft_config
-
     rc = config.retrain
     if rc.initial_drafter:
         src = find_drafter_folder(rc.initial_drafter)
@@ -36,8 +48,6 @@ def initial_drafter(config: PipelineConfig, target_path: Path, target_config, ou
 
 
 def export_all(config: PipelineConfig, drafter_dir: Path, version_dir: Path, card: dict) -> dict:
-    from drafters.export import export_drafter
-
     rc = config.retrain
     out = {}
     for dtype in rc.export_dtypes:
@@ -50,8 +60,6 @@ def export_all(config: PipelineConfig, drafter_dir: Path, version_dir: Path, car
 
 def check_exportable(config: PipelineConfig, drafter_dir: Path) -> None:
     """Refuse (before any work) an FP8 export that export_drafter would refuse after training."""
-    from drafters import contract
-
     rc = config.retrain
     if "fp8" in rc.export_dtypes and not rc.export_allow_unaligned:
         problems = contract.fp8_alignment_problems(json.loads((drafter_dir / "config.json").read_text()))
@@ -89,9 +97,6 @@ def bootstrap(config: PipelineConfig, sd: StateDir, state: dict, target_path: Pa
 def install_initial(config: PipelineConfig, log=print) -> str:
     """`scripts/retrain.py --bootstrap`: install the initial drafter as v0000 (running retrain.on_promote, so that
     the engine serves it before the first cycle); nothing to do once a version exists. Returns the current version."""
-    from drafters.target_loading import load_target_config
-    from train.setup import resolve_target
-
     sd = StateDir(config.retrain.state_dir)
     with state_lock(sd):
         state = load_state(sd)
@@ -106,8 +111,6 @@ def install_initial(config: PipelineConfig, log=print) -> str:
 
 def tell_engine(config: PipelineConfig, event: str, version: str, sd: StateDir, log) -> None:
     """retrain.on_promote for a version that just became current (after the commit)."""
-    from retraining.hooks import notify_engine
-
     notify_engine(config.retrain.on_promote, event, version, sd.version_dir(version),
                   config.retrain.on_promote_timeout, log)
 

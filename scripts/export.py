@@ -1,7 +1,8 @@
-"""`python scripts/export.py CKPT OUT --dtype fp8|bf16 [--serving-check]`: entry point; the export lives in
-drafters/export.py, the vLLM serving check in eval/engine.py."""
+"""`dflash-pipeline export ...` is `dflash-pipeline export ...` (scripts/cli/export.py)."""
 
-from eval.engine import export_main
+import sys
+
+from scripts.cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(export_main())
+    sys.exit(main(["export", *sys.argv[1:]]))

@@ -1,6 +1,8 @@
-"""`python scripts/retrain.py --config CONFIG`: entry point; the code lives in retraining/."""
+"""`dflash-pipeline retrain ...` is `dflash-pipeline retrain ...` (scripts/cli/retrain.py)."""
 
-from retraining.cycle import main
+import sys
+
+from scripts.cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main(["retrain", *sys.argv[1:]]))

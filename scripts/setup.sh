@@ -53,4 +53,4 @@ missing = [name for name in needed if importlib.util.find_spec(name) is None]
 if missing:
     sys.exit(f"testbed packages missing after install: {missing}")
 PY
-python -m scripts.testbed
+dflash-pipeline testbed

@@ -1,6 +1,8 @@
-"""`python -m scripts.testbed [--cache-dir DIR] [--force]`: entry point; the code lives in drafters/testbed.py."""
+"""`dflash-pipeline testbed ...` is `dflash-pipeline testbed ...` (scripts/cli/testbed.py)."""
 
-from drafters.testbed import main
+import sys
+
+from scripts.cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main(["testbed", *sys.argv[1:]]))

@@ -13,11 +13,21 @@ from typing import Any
 
 import numpy as np
 
-from data.chat_masks import encode, prompt_ids, render
-from data.generation import BatchGenerator
-from data.trajectories import TrajectoryRecord
-from simulator.config import (BASE_EPOCH, COMPACT_PROMPT, GENERATOR, RUN_KINDS, SESSION_SPACING_S, SUB_TASKS, TASKS,
-                              TOOL_WEIGHTS, TURN_SENTINEL, SimConfig)
+from data.trajectory.reader import TrajectoryRecord
+from drafters.target.chat import encode, prompt_ids, render
+from engines.hf.generation import BatchGenerator
+from simulator.config import (
+    BASE_EPOCH,
+    COMPACT_PROMPT,
+    GENERATOR,
+    RUN_KINDS,
+    SESSION_SPACING_S,
+    SUB_TASKS,
+    TASKS,
+    TOOL_WEIGHTS,
+    TURN_SENTINEL,
+    SimConfig,
+)
 from simulator.workspace import Subject, Workspace
 
 
@@ -29,7 +39,7 @@ def cut_at_eos(row: list[int], limit: int, eos_set) -> tuple[list[int], bool]:
 
 
 class TargetGenerator:
-    """The target's batched generation (data.generation, as regeneration generates), cut at each prompt's limit
+    """The target's batched generation (engines.hf.generation, as regeneration generates), cut at each prompt's limit
     and end of turn, with the counts the summary reports."""
 
     def __init__(self, model, tokenizer, temperature: float, seed: int):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from data.sources import DEFAULT_HELDOUT_FRACTION
+from data.sources.builtin import DEFAULT_HELDOUT_FRACTION
 
 SESSION_SPLITS = ("train", "heldout")
 LOG_FORMATS = {"jsonl.gz": ".jsonl.gz", "jsonl": ".jsonl", "parquet": ".parquet"}

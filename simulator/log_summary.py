@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from data.trajectories import TrajectoryRecord
+from data.trajectory.prefix_tree import build_prefix_tree
+from data.trajectory.reader import TrajectoryRecord
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
@@ -50,8 +51,6 @@ def prefix_reuse(records: Sequence[Any]) -> dict[str, Any]:
 
 def summarize_log(records: Sequence[TrajectoryRecord]) -> dict[str, Any]:
     """Counts of a log: sessions, requests, tokens, prefix-tree dedup and prefix reuse."""
-    from data.prefix_tree import build_prefix_tree
-
     stats = build_prefix_tree(records).stats()
     kinds: dict[str, int] = {}
     for r in records:

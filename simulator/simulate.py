@@ -6,7 +6,7 @@ short outputs, sub-agents that fork from the parent's context, and occasional co
 script produces such a log on the testbed, in exactly the production format (``data/TRAJECTORY_FORMAT.md``),
 so that ingestion, prefix-tree dedup and training can be exercised end to end on realistic structure::
 
-    python -m scripts.simulate_agentic --out DIR --sessions 4 --split train --turns 6-8 --seed 0
+    dflash-pipeline simulate --out DIR --sessions 4 --split train --turns 6-8 --seed 0
 
 What is real and what is scripted:
 
@@ -17,7 +17,7 @@ What is real and what is scripted:
   file, ``list_dir`` is ``os.listdir`` of a stdlib folder, ``grep`` searches stdlib files, ``run``
   executes ``python -m py_compile`` / ``python -m tabnanny -v`` / ``python -m pyclbr`` / a ``python -c``
   ast one-liner in a subprocess and captures its output and exit code. Each result is trimmed to a
-  token budget. Files come from ``data.sources``' code documents of the requested split only
+  token budget. Files come from ``data.sources.builtin``' code documents of the requested split only
   (``--split heldout`` sessions read only held-out files; this is asserted).
 * **Which tool runs when is scripted** (seeded), not parsed from the assistant's text: a 135M model does
   not emit reliable tool calls, and parsing would make the session shape depend on bf16 near-ties.
@@ -26,7 +26,7 @@ Token ids, never text: request t+1's ``input_ids`` are request t's ``input_ids +
 ``<|im_end|>`` when the output was cut by the token limit, as a server closes the turn), followed by the
 chat template's rendering of the new messages and the generation prompt. The first request of a
 session, and the first request after a compaction, are rendered from messages with the chat template
-(``data.chat_masks.prompt_ids``). So consecutive requests share prefixes exactly as they would in a
+(``drafters.target.chat.prompt_ids``). So consecutive requests share prefixes exactly as they would in a
 radix cache.
 
 Session shape:
@@ -56,15 +56,15 @@ config and seed give the same records, byte for byte once decompressed (the gzip
 temp file's name and mtime), on the same machine and software. Train and held-out runs use
 different session-id and seed spaces (the split is hashed into both) and disjoint stdlib files.
 
-Batching note (as in ``data/regenerate.py``): in bf16 (the default, ~3x faster here) batched
+Batching note (as in ``data/regeneration/regenerate.py``): in bf16 (the default, ~3x faster here) batched
 left-padded generation can pick a different token than unbatched generation at near-ties; both are the
 target's greedy output for its input shape. With ``--dtype float32`` batched generation equals
 unbatched generation token for token (tested).
 
 Outputs in ``--out``: ``agentic-<split>-seed<seed>.jsonl.gz`` (``--format`` jsonl / jsonl.gz /
-parquet) written with ``data.trajectories.write_trajectories``, and ``<same stem>.summary.json`` with
+parquet) written with ``data.trajectory.reader.write_trajectories``, and ``<same stem>.summary.json`` with
 the counts printed at the end (sessions, requests, logged / unique tokens from
-``data.prefix_tree.build_prefix_tree``, dedup ratio, prefix reuse, wall time, tokens/s).
+``data.trajectory.prefix_tree.build_prefix_tree``, dedup ratio, prefix reuse, wall time, tokens/s).
 
 The pieces: ``simulator.config`` (SimConfig and the scripted text), ``simulator.workspace`` (files and tools),
 ``simulator.agents`` (the sessions' state machine around the target) and ``simulator.log_summary``.
@@ -72,26 +72,31 @@ The pieces: ``simulator.config`` (SimConfig and the scripted text), ``simulator.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+import torch
 
 from common.atomic_files import write_text_atomic
 from common.dtypes import torch_dtype
-from data.chat_masks import load_tokenizer
-from data.trajectories import TrajectoryRecord, write_trajectories
+from data.trajectory.reader import TrajectoryRecord, write_trajectories
+from drafters.target.chat import load_tokenizer
+from drafters.target.loading import load_target_model
+from drafters.target.testbed import prepare_testbed_target
+from engines.hf.generation import stop_token_ids
 from simulator.agents import Simulator, TargetGenerator
-from simulator.config import LOG_FORMATS, SESSION_SPLITS, SimConfig, log_path, parse_range, summary_path
+from simulator.config import SimConfig, log_path, parse_range, summary_path
 from simulator.log_summary import prefix_reuse, summarize_log
+from simulator.remote import ServerGenerator
 from simulator.workspace import Workspace, split_code_documents
 
 __all__ = [
     "SimConfig", "SimResult", "Simulator", "Workspace", "simulate", "log_path", "summary_path", "split_code_documents",
-    "summarize_log", "prefix_reuse", "parse_range", "main",
+    "summarize_log", "prefix_reuse", "parse_range", "summary_lines",
 ]
 
 
@@ -116,8 +121,6 @@ def simulate(config: SimConfig, out_dir: str | os.PathLike, target: str | os.Pat
     OpenAI-compatible server (a vLLM server serving this target, or the log tap in front of one;
     simulator/remote.py) instead of generating in process; ``target`` then gives only the tokenizer.
     """
-    import torch
-
     previous_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -129,19 +132,13 @@ def simulate(config: SimConfig, out_dir: str | os.PathLike, target: str | os.Pat
 
 def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bool,
               server_url: str | None) -> SimResult:
-    import torch
-
     started = time.perf_counter()
     if target is None:
-        from drafters.testbed import prepare_testbed_target
-
         target = prepare_testbed_target()
     target = Path(target)
     if tokenizer is None:
         tokenizer = load_tokenizer(target)
     if server_url is None and model is None:
-        from drafters.target_loading import load_target_model
-
         model = load_target_model(target, dtype=torch_dtype(config.dtype))
     if model is not None:
         model_config = model.config
@@ -159,9 +156,6 @@ def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bo
     if server_url is None:
         generator = TargetGenerator(model, tokenizer, config.temperature, config.seed)
     else:
-        from data.generation import stop_token_ids
-        from simulator.remote import ServerGenerator
-
         generator = ServerGenerator(server_url, stop_token_ids(target, tokenizer), config.temperature, config.seed)
     try:
         sim = Simulator(config, generator, tokenizer, workspace, model_name=target.name)
@@ -198,63 +192,21 @@ def _simulate(config: SimConfig, out_dir, target, model, tokenizer, progress: bo
     return SimResult(path=path, summary_path=spath, summary=summary, records=records, files_read=files_read)
 
 
-def _print_summary(s: dict[str, Any]) -> None:
-    print(f"log: {s['log']}")
-    print(f"sessions: {s['sessions']} ({s['main_sessions']} main, {s['sub_sessions']} sub-agents; "
-          f"{s['sessions_spawning_subagents']} main sessions spawned sub-agents)")
-    print(f"requests: {s['requests']} {s['requests_by_kind']}; compactions: {s['compactions']}")
-    print(f"tokens: logged {s['logged_tokens']} (input {s['input_tokens']}, output {s['output_tokens']}; "
-          f"median input {s['input_tokens_median']:.0f}, output {s['output_tokens_median']:.0f})")
-    print(f"prefix tree: unique {s['unique_tokens']} (generated {s['unique_generated_tokens']}), "
-          f"dedup ratio {s['dedup_ratio']:.2f}, leaves {s['tree_leaves']}")
-    print(f"prefix reuse: {s['prefix_reuse']:.1%} of input tokens "
-          f"({s['prefix_reuse_after_first_request']:.1%} after each session's first request)")
-    print(f"files read: {s['files_read']} of {s['split_files']} {s['config']['split']} stdlib files")
-    print(f"wall {s['wall_seconds']:.1f}s, generation {s['generation_seconds']:.1f}s, "
-          f"{s['generated_tokens']} generated tokens ({s['generated_tokens_per_second']} tok/s), "
-          f"{s['logged_tokens_per_wall_second']} logged tok/s")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    d = SimConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="output folder for the log and its summary")
-    p.add_argument("--sessions", type=int, required=True, help="number of main sessions")
-    p.add_argument("--split", choices=SESSION_SPLITS, required=True, help="stdlib files the tools may read")
-    p.add_argument("--turns", default="-".join(map(str, d.turns)), help="assistant turns per main session: N or A-B")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--subagent-share", type=float, default=d.subagent_share)
-    p.add_argument("--subagents", default="-".join(map(str, d.subagents)), help="sub-agents per spawning session")
-    p.add_argument("--sub-turns", default="-".join(map(str, d.sub_turns)), help="assistant turns per sub-agent")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--summary-tokens", type=int, default=d.summary_tokens)
-    p.add_argument("--tool-tokens", type=int, default=d.tool_tokens, help="token budget of one tool result")
-    p.add_argument("--context-cap", type=int, default=d.context_cap, help="compact above this many tokens")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype)
-    p.add_argument("--format", choices=tuple(LOG_FORMATS), default=d.format)
-    p.add_argument("--tool-role", choices=("tool", "user"), default=d.tool_role)
-    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction)
-    p.add_argument("--name", default=None, help="log file stem (default agentic-<split>-seed<seed>)")
-    p.add_argument("--target", type=Path, default=None, help="HF model folder (default: the testbed target)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--server-url", default=None, help="send every request to this OpenAI-compatible server (a vLLM "
-                   "server or the log tap in front of one) instead of generating in process")
-    p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(argv)
-    config = SimConfig(sessions=a.sessions, split=a.split, seed=a.seed, turns=a.turns,
-                       subagent_share=a.subagent_share, subagents=a.subagents, sub_turns=a.sub_turns,
-                       max_new_tokens=a.max_new_tokens, summary_tokens=a.summary_tokens, tool_tokens=a.tool_tokens,
-                       context_cap=a.context_cap, batch_size=a.batch_size, temperature=a.temperature,
-                       dtype=a.dtype, format=a.format, tool_role=a.tool_role,
-                       heldout_fraction=a.heldout_fraction, name=a.name)
-    result = simulate(config, a.out, a.target, num_threads=a.threads, progress=not a.quiet, server_url=a.server_url)
-    _print_summary(result.summary)
-    print(f"summary: {result.summary_path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """A simulated log's summary, as the lines `dflash-pipeline simulate` prints."""
+    return [
+        f"log: {s['log']}",
+        f"sessions: {s['sessions']} ({s['main_sessions']} main, {s['sub_sessions']} sub-agents; "
+        f"{s['sessions_spawning_subagents']} main sessions spawned sub-agents)",
+        f"requests: {s['requests']} {s['requests_by_kind']}; compactions: {s['compactions']}",
+        f"tokens: logged {s['logged_tokens']} (input {s['input_tokens']}, output {s['output_tokens']}; "
+        f"median input {s['input_tokens_median']:.0f}, output {s['output_tokens_median']:.0f})",
+        f"prefix tree: unique {s['unique_tokens']} (generated {s['unique_generated_tokens']}), "
+        f"dedup ratio {s['dedup_ratio']:.2f}, leaves {s['tree_leaves']}",
+        f"prefix reuse: {s['prefix_reuse']:.1%} of input tokens "
+        f"({s['prefix_reuse_after_first_request']:.1%} after each session's first request)",
+        f"files read: {s['files_read']} of {s['split_files']} {s['config']['split']} stdlib files",
+        f"wall {s['wall_seconds']:.1f}s, generation {s['generation_seconds']:.1f}s, "
+        f"{s['generated_tokens']} generated tokens ({s['generated_tokens_per_second']} tok/s), "
+        f"{s['logged_tokens_per_wall_second']} logged tok/s",
+    ]

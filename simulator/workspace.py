@@ -7,14 +7,21 @@ import ast
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Sequence
 
-from data.chat_masks import encode
-from data.sources import DEFAULT_HELDOUT_FRACTION, Document, load_code, split_documents, stdlib_dir
+from data.sources.builtin import (
+    DEFAULT_HELDOUT_FRACTION,
+    Document,
+    load_code,
+    split_documents,
+    stdlib_dir,
+)
+from drafters.target.chat import encode
 
 OUTLINE_SCRIPT = ("import ast, sys; t = ast.parse(open(sys.argv[1]).read()); "
                    "print(*[f'{n.lineno}: {type(n).__name__} {n.name}' for n in ast.walk(t) "
@@ -63,8 +70,6 @@ class Workspace:
         self._pycache = tempfile.mkdtemp(prefix="simulate-agentic-pycache-")
 
     def close(self) -> None:
-        import shutil
-
         shutil.rmtree(self._pycache, ignore_errors=True)
 
     # -- subjects -------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def crafted_pickle():
 @pytest.fixture(scope="session")
 def testbed_target():
     """The converted SmolLM2-135M-Instruct folder (converted once per machine, then reused)."""
-    from drafters.testbed import prepare_testbed_target
+    from drafters.target.testbed import prepare_testbed_target
 
     return prepare_testbed_target()
 
@@ -48,7 +48,7 @@ def chat_engine_target(testbed_target, tmp_path_factory):
     return save_chat_engine_target(tmp_path_factory.mktemp("chat-engine") / "target", testbed_target)
 
 
-# The closed loop's CI variant (scripts/closed_loop.py on chat_engine_target): v0 trains 2 steps, the cycle 12.
+# The closed loop's CI variant (dflash-pipeline loop on chat_engine_target): v0 trains 2 steps, the cycle 12.
 CLOSED_LOOP_V0 = ["data.mixture.num_samples=6", "data.mixture.max_new_tokens=16", "data.mixture.prefilled_samples=0",
                   "data.max_seq_len=256", "train.max_steps=2", "train.snapshot_every=null", "logging.wandb=false",
                   "drafter.num_layers=1", "drafter.num_key_value_heads=null", "drafter.num_target_features=3",
@@ -66,7 +66,7 @@ def closed_loop_run(chat_engine_target, tmp_path_factory):
 
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path_factory.mktemp("closed-loop") / "loop"
-    argv = [sys.executable, "scripts/closed_loop.py", "--out", str(out),
+    argv = [sys.executable, "-m", "scripts.cli", "loop", "--out", str(out),
             *(x for o in CLOSED_LOOP_V0 for x in ("--v0-set", o)),
             "--train-sessions", "3", "--heldout-sessions", "1", "--train-seed", "0", "--turns", "2",
             "--max-new-tokens", "16", "--tool-tokens", "32", "--context-cap", "1024",
@@ -160,7 +160,7 @@ def wait_for_http(url: str, proc, timeout: float = 60.0) -> None:
 
 @pytest.fixture
 def start_tap(tmp_path):
-    """start_tap(upstream, out, *flags) -> (url, process): `python -m data.log_tap` on a free port, up and healthy.
+    """start_tap(upstream, out, *flags) -> (url, process): `dflash-pipeline tap` on a free port, up and healthy.
     Every tap still running at the test's end gets SIGTERM."""
     import subprocess
     import sys
@@ -171,7 +171,7 @@ def start_tap(tmp_path):
     def start(upstream: str, out, *flags: str):
         port = _free_port()
         log = open(tmp_path / f"tap-{port}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "data.log_tap", "--upstream", upstream, "--out", str(out),
+        proc = subprocess.Popen([sys.executable, "-m", "scripts.cli", "tap", "--upstream", upstream, "--out", str(out),
                                  "--port", str(port), *flags], cwd=Path(__file__).resolve().parents[1],
                                 stdout=log, stderr=subprocess.STDOUT)
         started.append(proc)

@@ -1,19 +1,36 @@
-"""The import graph runs one way: from common and configs through the drafter, data, training and eval stages
-up to retraining and the command-line entry points. Nothing imports upward, nothing edits sys.path, no
-module reaches for another module's private names, and scripts/ holds only thin entry points."""
+"""The layout and the import graph. Each subsystem has its room; imports run one way, from common and configs
+through the drafter side, the serving-engine adapters, data, training and eval up to retraining and the command
+line; nothing imports upward or in a circle (imports inside functions included), nothing edits sys.path, no module
+reaches for another package's private names, and only the command line (scripts/cli/) defines `main`."""
 
 import ast
+import importlib
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# A package may import its own modules and those of lower layers, never those of its own layer or above.
-LAYERS = ["common", "configs", "drafters", "data", "train", "eval", "simulator", "retraining", "scripts"]
+# A package may import its own modules and those of lower layers, never those of a layer above.
+LAYERS = ["common", "configs", "drafters", "engines", "data", "train", "eval", "simulator", "retraining", "scripts"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
-SCRIPT_MAX_LINES = 12
+# The rooms, each a package of its own.
+LAYOUT = {
+    "drafters": {"drafter", "target", "decoding", "export"},
+    "engines": {"hf", "vllm", "sglang"},
+    "data": {"sources", "regeneration", "trajectory", "feature_cache", "tap"},
+    "scripts": {"cli"},
+}
+# Files run by path (`accelerate launch train/dflash.py`, `python scripts/export.py`): entry points, not library.
+LAUNCHERS = {"train/dflash.py", "scripts/export.py", "scripts/retrain.py", "scripts/testbed.py"}
+LAUNCHER_MAX_LINES = 12
 
 
 def _modules(packages) -> list[Path]:
     return sorted(p for pkg in packages for p in (REPO / pkg).rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: Path) -> list[tuple[str, list[str], int]]:
@@ -31,14 +48,21 @@ def _where(path: Path, line: int) -> str:
     return f"{path.relative_to(REPO)}:{line}"
 
 
-def test_every_project_package_has_a_layer():
+def test_every_project_package_has_a_layer_and_its_rooms():
     packages = {p.parent.name for p in REPO.glob("*/__init__.py")}
     assert packages == set(LAYERS), f"packages without a layer (or layers without a package): {packages ^ set(LAYERS)}"
+    for package, rooms in LAYOUT.items():
+        found = {p.parent.name for p in (REPO / package).glob("*/__init__.py")}
+        assert found == rooms, f"{package}/: {sorted(found)} instead of {sorted(rooms)}"
+        loose = sorted(p.name for p in (REPO / package).glob("*.py") if p.name != "__init__.py")
+        assert package not in ("drafters", "data") or loose == [], f"{package}/ modules outside a room: {loose}"
 
 
 def test_no_import_runs_upward():
     upward = []
     for path in _modules(LAYERS):
+        if str(path.relative_to(REPO)) in LAUNCHERS:
+            continue
         own = path.relative_to(REPO).parts[0]
         for module, _, line in _imports(path):
             top = module.split(".")[0]
@@ -47,10 +71,47 @@ def test_no_import_runs_upward():
     assert upward == []
 
 
+def test_no_import_cycles_counting_imports_inside_functions():
+    modules = {_name(p): p for p in _modules(LAYERS)}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for module, names, _ in _imports(path):
+            edges |= {m for m in [module, *(f"{module}.{n}" for n in names)] if m in modules and m != name}
+        graph[name] = edges
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
 def test_no_private_names_across_modules():
     reached = []
     for path in _modules(LAYERS + ["bench"]):
-        this = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        this = _name(path)
         for module, names, line in _imports(path):
             if module.split(".")[0] in RANK and module != this:
                 reached += [f"{_where(path, line)} imports {module}.{n}" for n in names if n.startswith("_")]
@@ -63,23 +124,33 @@ def test_no_sys_path_edits():
     assert edits == []
 
 
-def test_scripts_are_thin_entry_points():
-    for path in _modules(["scripts"]):
-        if path.name == "__init__.py":
-            continue
-        lines = path.read_text().splitlines()
-        assert len(lines) <= SCRIPT_MAX_LINES, f"{path.name} has {len(lines)} lines: library code belongs in a stage package"
-        tree = ast.parse("\n".join(lines))
-        defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-        assert defs == [], f"{path.name} defines {defs}"
+def test_only_the_command_line_defines_main():
+    mains = [_where(path, node.lineno) for path in _modules(LAYERS) if "cli" not in path.relative_to(REPO).parts[:2]
+             for node in ast.parse(path.read_text()).body
+             if isinstance(node, ast.FunctionDef) and node.name.startswith("main")]
+    assert mains == []
 
 
-def test_console_entry_points_name_real_functions():
-    import importlib
-    import tomllib
+def test_launchers_are_thin_and_name_a_verb():
+    from scripts.cli import VERBS
 
+    for relative in LAUNCHERS:
+        text = (REPO / relative).read_text()
+        assert len(text.splitlines()) <= LAUNCHER_MAX_LINES, f"{relative}: library code belongs in a stage package"
+        tree = ast.parse(text)
+        assert [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))] == [], relative
+        verb = text.split('main(["', 1)[1].split('"', 1)[0]
+        assert verb in VERBS, f"{relative} calls an unknown verb {verb!r}"
+    loose = {str(p.relative_to(REPO)) for p in (REPO / "scripts").glob("*.py") if p.name != "__init__.py"}
+    assert loose <= LAUNCHERS, f"scripts/ holds more than the launchers: {sorted(loose - LAUNCHERS)}"
+
+
+def test_every_verb_has_its_arguments_and_its_run():
+    from scripts.cli import VERBS
+
+    assert {"prepare", "train", "eval", "export", "retrain", "tap", "simulate", "plan"} <= set(VERBS)
+    for verb, (module, _) in VERBS.items():
+        loaded = importlib.import_module(f"scripts.cli.{module}")
+        assert callable(loaded.add_arguments) and callable(loaded.run), verb
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert {"dflash-train", "dflash-export", "dflash-retrain", "dflash-eval"} <= set(scripts)
-    for name, target in scripts.items():
-        module, _, attr = target.partition(":")
-        assert callable(getattr(importlib.import_module(module), attr)), f"{name} -> {target}"
+    assert scripts == {"dflash-pipeline": "scripts.cli:main"}

@@ -9,8 +9,8 @@ import torch
 
 from bench.peers.export import export_specforge, export_speculators, speculators_train_ratio
 from data.feature_cache import FeatureCacheReader, write_feature_cache
-from drafters.capture import HFCapture
-from drafters.testbed import tiny_llama_target
+from drafters.target.capture import HFCapture
+from drafters.target.testbed import tiny_llama_target
 
 LAYERS = [1, 3, 5]
 

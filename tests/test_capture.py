@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from drafters.capture import HFCapture, make_capture
-from drafters.testbed import save_tiny_target, tiny_deepseek_v3_target, tiny_kimi_target, tiny_llama_target
+from drafters.target.capture import HFCapture, make_capture
+from drafters.target.testbed import save_tiny_target, tiny_deepseek_v3_target, tiny_kimi_target, tiny_llama_target
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32; batching the same ops differently (cache vs one pass)
 

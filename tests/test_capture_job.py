@@ -1,4 +1,4 @@
-"""The feature capture job (python -m train.capture_job): sharded over ranks, killed, resumed, read by training.
+"""The feature capture job (dflash-pipeline prepare): sharded over ranks, killed, resumed, read by training.
 
 Real processes on a tiny real target (fp32, random weights): one process is SIGKILLed mid-capture, then
 torchrun with two ranks finishes the same cache; every stored feature is computed once and equals a
@@ -20,10 +20,10 @@ from datasets import load_from_disk
 
 from configs.schema import load_config
 from data.feature_cache import FeatureCacheReader, cache_complete
-from data.prefix_tree import PrefixTree
-from drafters.capture import HFCapture
-from drafters.target_loading import load_target_config
-from drafters.testbed import save_tiny_target
+from data.trajectory.prefix_tree import PrefixTree
+from drafters.target.capture import HFCapture
+from drafters.target.loading import load_target_config
+from drafters.target.testbed import save_tiny_target
 from train.features import config_cache_dir
 from train.setup import drafter_layer_ids
 
@@ -67,7 +67,7 @@ def test_killed_capture_job_resumes_on_two_ranks_and_training_reads_it(workspace
     layer_ids = drafter_layer_ids(config, workspace / "target", load_target_config(workspace / "target"))
     cache = config_cache_dir(config, dataset, workspace / "target", layer_ids, workspace / "cache")  # training's folder
 
-    job = subprocess.Popen([sys.executable, "-m", "train.capture_job", *args], cwd=REPO, env=_env(),
+    job = subprocess.Popen([sys.executable, "-m", "scripts.cli", "prepare", *args], cwd=REPO, env=_env(),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 240
     while not list(cache.glob("shard-*.safetensors")) and job.poll() is None and time.time() < deadline:
@@ -80,11 +80,14 @@ def test_killed_capture_job_resumes_on_two_ranks_and_training_reads_it(workspace
     assert not index["complete"] and 0 < len(done) < len(index["shards"]) // 2
     stored_before = sum(s["tokens"] for s in done)
 
-    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "train.capture_job", *args],
+    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "scripts.cli", "prepare", *args],
                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    reports = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
-                     key=lambda r: r["rank"])
+    # One manifest on stdout (rank 0's, its capture report under "features"); rank 1 logs its report.
+    manifests = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(manifests) == 1 and manifests[0]["rank"] == 0
+    reports = [manifests[0]["features"]] + [json.loads(line.split(": ", 1)[1]) for line in result.stderr.splitlines()
+                                            if line.startswith("[prepare] rank 1: ")]
     assert [r["rank"] for r in reports] == [0, 1] and {r["cache"] for r in reports} == {str(cache)}
     assert cache_complete(cache) and any(r["complete"] for r in reports)
     unique = reports[0]["cached_tokens"]

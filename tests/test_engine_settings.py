@@ -7,8 +7,8 @@ from itertools import product
 import pytest
 
 from configs.schema import ConfigError, TargetConfig, load_config
-from data.engine_settings import EngineSettingsError, context_length, sglang_kwargs, vllm_kwargs
-from data.sglang_engine import EngineOutputError, response_ids, sampling_params
+from engines.settings import EngineSettingsError, context_length, sglang_kwargs, vllm_kwargs
+from engines.sglang.generation import EngineOutputError, response_ids, sampling_params
 
 KIMI_LIKE = TargetConfig(backend="vllm", dtype="bfloat16", tensor_parallel=8, pipeline_parallel=2, expert_parallel=True,
                          max_model_len=8192, memory_share=0.9, quantization="fp8", trust_remote_code=True)

@@ -15,16 +15,17 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from configs.schema import DrafterConfig, EvalConfig, PipelineConfig, TargetConfig
-from data.chat_masks import load_tokenizer, prompt_ids
-from data.trajectories import write_trajectories
-from drafters.checkpoint import save_drafter
-from drafters.draft_config import build_draft_config
-from drafters.model import DFlashDrafter
-from drafters.proposers import ngram_lookup
-from drafters.spec_decode import lookup_generate, target_generate
-from drafters.testbed import prepare_testbed_target, tiny_llama_target
+from drafters.target.chat import load_tokenizer, prompt_ids
+from data.trajectory.reader import write_trajectories
+from drafters.drafter.checkpoint import save_drafter
+from drafters.drafter.config import build_draft_config
+from drafters.drafter.model import DFlashDrafter
+from drafters.decoding.proposers import ngram_lookup
+from drafters.decoding.spec_decode import lookup_generate, target_generate
+from drafters.target.testbed import prepare_testbed_target, tiny_llama_target
 from eval import acceptance
-from eval.acceptance import evaluate, main
+from eval.acceptance import evaluate
+from scripts.cli import main as cli
 from eval.engine_testbed import train_on_greedy_continuations
 from eval.inputs import EvalError, load_spec, prepare, resolve_drafter
 from eval.reference import load_reference_model
@@ -155,14 +156,14 @@ def test_bad_inputs_are_refused_before_decoding(smol, random_drafter, tmp_path):
     with pytest.raises(TraceError, match="zero prompts .*exceed --max-tokens 20"):
         prepare([str(random_drafter)], run_config(**{**base, "max_tokens": 20}))
     # Through the CLI: exit code 2, the reason on stderr, no report written.
-    assert main(["--drafter", str(deep), "--target", folder, "--traces", "code", "--out", str(tmp_path / "cli")]) == 2
-    assert main(["--drafter", str(random_drafter), "--target", folder, "--traces", "agentic",
+    assert cli(["eval", "--drafter", str(deep), "--target", folder, "--traces", "code", "--out", str(tmp_path / "cli")]) == 2
+    assert cli(["eval", "--drafter", str(random_drafter), "--target", folder, "--traces", "agentic",
                  "--agentic-log", str(empty), "--out", str(tmp_path / "cli")]) == 2
     assert not (tmp_path / "out" / "report.json").exists() and not (tmp_path / "cli" / "report.json").exists()
 
 
 def test_drafter_kinds_resolve_and_fp8_reference_copy_matches(smol, random_drafter, tmp_path):
-    from drafters.export import export_drafter
+    from drafters.export.exporter import export_drafter
 
     _, target_config, _ = smol
     ckpt = tmp_path / "run" / "checkpoints" / "step-000010"
@@ -193,7 +194,7 @@ def test_random_drafter_end_to_end_report(smol, random_drafter, tmp_path):
     log = agentic_log(tmp_path / "logs" / "agent.jsonl", {
         "s1": [prompt_ids(tokenizer, convo[:1]), prompt_ids(tokenizer, convo)]})
     out = tmp_path / "report"
-    rc = main(["--drafter", f"rand={random_drafter}", "--target", str(folder), "--traces", "code,agentic",
+    rc = cli(["eval", "--drafter", f"rand={random_drafter}", "--target", str(folder), "--traces", "code,agentic",
                "--agentic-log", str(log.parent), "--max-prompts", "1", "--max-new-tokens", "24",
                "--reference-subset", "1", "--max-chars", "500", "--out", str(out)])
     assert rc == 0
@@ -248,7 +249,7 @@ B, NEW = 8, 40
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     """A chaotic tiny Llama target (random weights x 8, vocab 512) saved as a folder, three logged agent
-    sessions, and a drafter trained 60 steps (CE, drafters/objective.py) on the target's greedy continuations."""
+    sessions, and a drafter trained 60 steps (CE, drafters/drafter/objective.py) on the target's greedy continuations."""
     root = tmp_path_factory.mktemp("tiny")
     target = tiny_llama_target(seed=0, vocab_size=512)
     with torch.no_grad():
@@ -316,7 +317,7 @@ def test_sharded_bf16_target_decodes_like_one_device(tiny_setup, tmp_path):
             for key in ("acceptance_lengths", "new_tokens", "identical_to_target"):
                 assert a["results"][method].get(key) == b["results"][method].get(key), (method, key)
     # The map really dispatched: the disk half of the layers are meta tensors paged in by accelerate's hooks.
-    from drafters.target_loading import load_target_model
+    from drafters.target.loading import load_target_model
 
     model = load_target_model(target, dtype=torch.bfloat16, device_map=device_map, offload_folder=tmp_path / "offload")
     assert {p.device.type for n, p in model.named_parameters() if ".layers.7." in n} == {"meta"}

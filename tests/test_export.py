@@ -13,18 +13,19 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from configs.schema import DrafterConfig
-from drafters import contract, fp8
-from drafters.checkpoint import load_drafter, save_drafter
-from drafters.contract import ContractError
-from drafters.draft_config import build_draft_config
-from drafters.model import DFlashDrafter
-from drafters import export
-from drafters.testbed import tiny_llama_target
+from drafters.export import contract, fp8
+from drafters.drafter.checkpoint import load_drafter, save_drafter
+from drafters.export.contract import ContractError
+from drafters.drafter.config import build_draft_config
+from drafters.drafter.model import DFlashDrafter
+from drafters.export import exporter as export
+from scripts.cli import main as cli
+from drafters.target.testbed import tiny_llama_target
 
 REPO = Path(__file__).resolve().parents[1]
 MASK = 49_151
 
-# The exact quantization_config for a 2-layer drafter of an 8-layer target (see drafters/fp8.py for why
+# The exact quantization_config for a 2-layer drafter of an 8-layer target (see drafters/export/fp8.py for why
 # each name is there): SGLang reads `ignored_layers` (or `modules_to_not_convert`), vLLM `ignored_layers`,
 # transformers `modules_to_not_convert`.
 IGNORED_2_OF_8 = [
@@ -209,7 +210,7 @@ def test_a_broken_source_is_refused_naming_the_tensor_and_nothing_is_written(sou
     with pytest.raises(ContractError, match=message.split(":")[0].replace(".", r"\.")) as excinfo:
         export.export_drafter(src, out, dtype, allow_unaligned=True)
     assert message in str(excinfo.value)
-    assert export.main([str(src), str(out), "--dtype", dtype, "--allow-unaligned"]) == 1
+    assert cli(["export", str(src), str(out), "--dtype", dtype, "--allow-unaligned"]) == 1
     assert message in capsys.readouterr().err
     assert not out.exists() and list(out.parent.iterdir()) == []
 
@@ -261,7 +262,7 @@ def test_cli_on_a_training_checkpoint_writes_the_model_card(sources, tmp_path):
     out = tmp_path / "serve" / "kimi-dflash-fp8"
     (tmp_path / "serve").mkdir()
     (tmp_path / "serve" / "keep.txt").write_text("untouched")
-    run = subprocess.run([sys.executable, "scripts/export.py", str(ckpt), str(out), "--dtype", "fp8",
+    run = subprocess.run([sys.executable, "-m", "scripts.cli", "export", str(ckpt), str(out), "--dtype", "fp8",
                           "--model-card-info", json.dumps(info)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["source"] == str(ckpt / "drafter")
@@ -281,7 +282,7 @@ def test_cli_on_a_training_checkpoint_writes_the_model_card(sources, tmp_path):
 def test_fp8_is_about_half_the_bf16_size_at_the_testbed_shape(tmp_path):
     """SmolLM2 shape (hidden 576, intermediate 1536, 2 draft layers, 5 target layers). The bf16 q/k/v and
     norms put the ratio above one half: ratio = 1/2 + (bf16 share of the parameters) / 2."""
-    from drafters.testbed import prepare_testbed_target
+    from drafters.target.testbed import prepare_testbed_target
 
     target_config = AutoConfig.from_pretrained(prepare_testbed_target())
     src = save_drafter(random_drafter(target_config), tmp_path / "src")

@@ -25,9 +25,9 @@ from data.feature_cache import (
     write_row_tree_feature_cache,
     write_tree_feature_cache,
 )
-from data.prefix_tree import PrefixTree
-from drafters.capture import HFCapture
-from drafters.testbed import tiny_llama_target
+from data.trajectory.prefix_tree import PrefixTree
+from drafters.target.capture import HFCapture
+from drafters.target.testbed import tiny_llama_target
 
 LAYERS = [1, 3, 5, 7]  # 7 = last layer (normed output), exercises that path too
 FP32_TOL = dict(atol=2e-5, rtol=2e-5)  # KV-continued vs one full forward in fp32: same math, other op order

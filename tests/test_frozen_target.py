@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from drafters.frozen_target import FrozenTargetHead
-from drafters.testbed import prepare_testbed_target, tiny_deepseek_v3_target, tiny_llama_target
+from drafters.target.frozen import FrozenTargetHead
+from drafters.target.testbed import prepare_testbed_target, tiny_deepseek_v3_target, tiny_llama_target
 
 
 def save_sharded_keeping_only_head_shards(model, folder):

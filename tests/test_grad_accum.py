@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-from drafters.testbed import save_tiny_target
+from drafters.target.testbed import save_tiny_target
 from train.checkpointing import list_checkpoints, pickle_files, read_trainer_state
 
 REPO = Path(__file__).resolve().parents[1]

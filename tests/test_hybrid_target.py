@@ -13,12 +13,12 @@ import torch
 from datasets import Dataset
 
 from configs.schema import DrafterConfig
-from drafters.capture import HFCapture
-from drafters.draft_config import build_draft_config
-from drafters.frozen_target import FrozenTargetHead
-from drafters.model import DFlashDrafter
-from drafters.recurrent_state import recurrent_layer_types
-from drafters.spec_decode import generate
+from drafters.target.capture import HFCapture
+from drafters.drafter.config import build_draft_config
+from drafters.target.frozen import FrozenTargetHead
+from drafters.drafter.model import DFlashDrafter
+from drafters.target.recurrent_state import recurrent_layer_types
+from drafters.decoding.spec_decode import generate
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -108,7 +108,7 @@ def test_training_runs_on_the_hybrid_target(target, tmp_path):
 
 
 def test_prompt_lookup_restores_the_recurrent_state(target):
-    from drafters.spec_decode import lookup_generate, target_generate
+    from drafters.decoding.spec_decode import lookup_generate, target_generate
 
     rolled_back = 0
     for seed in range(3):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import _free_port, wait_for_http
-from data.trajectories import load_trajectories
+from data.trajectory.reader import load_trajectories
 
 REPO = Path(__file__).resolve().parents[1]
 ANSWER = [10, 11, 12, 2]

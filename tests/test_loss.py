@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafters.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
+from drafters.drafter.objective import (HeadVocabulary, acceptance_stats, block_loss, block_targets, default_gamma, greedy_path,
                         most_frequent_tokens, slot_weights, target_choices)
 
 

@@ -3,8 +3,8 @@
 import pytest
 
 from configs.schema import ConfigError, load_config
-from data.chat_masks import load_tokenizer
-from data.mixture import mixture_key, prefilled_rows
+from drafters.target.chat import load_tokenizer
+from data.sources.mixture import mixture_key, prefilled_rows
 
 
 def _config(*overrides):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data.prefix_tree import PrefixTree, paths_to_dataset
-from data.trajectories import TrajectoryReader, write_trajectories
+from data.trajectory.prefix_tree import PrefixTree, paths_to_dataset
+from data.trajectory.reader import TrajectoryReader, write_trajectories
 
 VOCAB = 50_000
 

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "production.md"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 # The closed loop runs these (tests/test_closed_loop.py); the guide names them for the Kimi retrain config.
-SERVING_STEPS = ("kimi-k2.6-retrain.yaml", "-m data.log_tap")
+SERVING_STEPS = ("kimi-k2.6-retrain.yaml", "dflash-pipeline tap")
 
 
 def guide_commands(text: str) -> list[str]:
@@ -51,6 +51,8 @@ def on_the_testbed(command: str, root: Path, overrides: dict[str, list[str]]) ->
     argv = [str(root / a) if a.startswith(("outputs/", "exports/")) else a for a in argv]
     if argv[0] == "python":
         argv[0] = sys.executable
+    elif argv[0] == "dflash-pipeline":
+        argv[:1] = [sys.executable, "-m", "scripts.cli"]
     elif argv[:2] == ["accelerate", "launch"]:
         argv[0] = str(ACCELERATE)
     return argv + (overrides[argv[argv.index("--config") + 1]] if "--config" in argv else [])
@@ -128,8 +130,8 @@ def _step(done: dict, fragment: str) -> subprocess.CompletedProcess:
 
 def test_the_guide_covers_the_journey_and_its_launch_lines_match_the_configs():
     commands = guide_commands(GUIDE.read_text())
-    for fragment in ("--dry-run", "-m train.prepare", "train/dflash.py", "-m eval.acceptance", "--dtype fp8",
-                     "--bootstrap", "-m data.log_tap", "--rollback"):
+    for fragment in ("--dry-run", "-m scripts.cli prepare", "train/dflash.py", "dflash-pipeline eval", "--dtype fp8",
+                     "--bootstrap", "dflash-pipeline tap", "--rollback"):
         assert any(fragment in c for c in commands), fragment
     header = "".join(line for line in (REPO / "configs" / "kimi-k2.6.yaml").read_text().splitlines(keepends=True)
                      if line.startswith("#"))
@@ -144,7 +146,7 @@ def test_plan_prepare_train_eval_and_export_run_as_written(walked):
     plan = _step(done, "--dry-run").stdout
     assert "per-GPU" in plan or "per GPU" in plan
 
-    manifest = json.loads(_step(done, "-m train.prepare").stdout.strip().splitlines()[-1])
+    manifest = json.loads(_step(done, "-m scripts.cli prepare").stdout.strip().splitlines()[-1])
     assert manifest["generation"]["backend"] == "vllm" and manifest["features"]["complete"]
     by_source = {s["name"]: s for s in manifest["sources"]}
     for name, bad in quarantined.items():
@@ -185,15 +187,15 @@ def test_serve_log_retrain_and_rollback_are_the_closed_loops_commands(closed_loo
     def as_run(command: str) -> list[str]:
         command = (command.replace("configs/kimi-k2.6-retrain.yaml", config)
                    .replace("/mnt/dflash/serve", str(serve_dir)).replace("--port 8000", f"--port {port}"))
-        return shlex.split(command)[1:]
+        return ["-m", "scripts.cli", *shlex.split(command)[1:]]  # dflash-pipeline VERB ...
 
-    serving = [c for c in guide_commands(GUIDE.read_text()) if "kimi-k2.6-retrain.yaml" in c or "data.log_tap" in c]
-    checked_in_loop = [c for c in serving if c.endswith("--bootstrap") or c.endswith("retrain.yaml") or "log_tap" in c]
+    serving = [c for c in guide_commands(GUIDE.read_text()) if "kimi-k2.6-retrain.yaml" in c or "dflash-pipeline tap" in c]
+    checked_in_loop = [c for c in serving if c.endswith("--bootstrap") or c.endswith("retrain.yaml") or c.startswith("dflash-pipeline tap")]
     assert len(checked_in_loop) == 3
     for command in checked_in_loop:
         argv = as_run(command)
-        if "data.log_tap" in argv:
-            (tap,) = [r for r in ran if r[:2] == ["-m", "data.log_tap"]]
+        if argv[:3] == ["-m", "scripts.cli", "tap"]:
+            (tap,) = [r for r in ran if r[:2] == ["-m", "scripts.cli", "tap"]]
             assert {a for a in argv if a.startswith("--")} <= {a for a in tap if a.startswith("--")}
         else:
             assert argv in ran, (argv, ran)
@@ -213,5 +215,5 @@ def test_serve_log_retrain_and_rollback_are_the_closed_loops_commands(closed_loo
         # start (the target alone), then the rollback's hook: stop, start with v0000's export
         assert events[-1]["event"] == "started" and events[-1]["drafter"] == str(out / "state" / "versions" / "v0000" / "bf16")
     finally:
-        subprocess.run([sys.executable, "scripts/serve.py", "stop", "--state-dir", str(serve_dir)], cwd=REPO, env=env,
+        subprocess.run([sys.executable, "-m", "scripts.cli", "serve", "stop", "--state-dir", str(serve_dir)], cwd=REPO, env=env,
                        capture_output=True, timeout=120)

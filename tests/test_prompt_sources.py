@@ -14,8 +14,8 @@ import yaml
 from datasets import load_from_disk
 
 from configs.schema import ConfigError, load_config
-from data.chat_masks import load_tokenizer
-from data.prompt_sources import read_source
+from drafters.target.chat import load_tokenizer
+from data.sources.user_files import read_source
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = "word " * 800  # over the prompt budget of max_prompt_tokens 256 x 3 characters
@@ -87,7 +87,7 @@ def _write_config(path: Path, entries: list, num_samples: int, cache: Path, targ
 
 def _prepare(config: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "train.prepare", "--config", str(config)], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "scripts.cli", "prepare", "--config", str(config)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -184,12 +184,12 @@ def test_source_settings_are_checked_when_the_config_loads():
 
 
 def test_two_processes_share_the_regeneration(sources, testbed_target, tmp_path):
-    """`accelerate launch -m train.prepare` on 2 processes: each regenerates its share (shards of its own), the
+    """`accelerate launch -m scripts.cli prepare` on 2 processes: each regenerates its share (shards of its own), the
     main one writes the dataset. (A share resumes like a single process's regeneration: tests/test_regenerate.py.)"""
     root, entries, _ = sources
     config = _write_config(tmp_path / "shared.yaml", [entries[2]], 8, tmp_path / "cache", testbed_target)
     launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-              str(REPO / "configs" / "accelerate" / "ddp.yaml"), "-m", "train.prepare", "--config", str(config)]
+              str(REPO / "configs" / "accelerate" / "ddp.yaml"), "-m", "scripts.cli", "prepare", "--config", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     first = subprocess.run(launch, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -7,13 +7,15 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+
+from scripts.cli import VERBS
 import torch
 import tomllib
 
 from configs.schema import load_config
-from data.engine_settings import vllm_kwargs
-from drafters.model import DFlashDrafter
-from drafters.target_loading import load_target_config
+from engines.settings import vllm_kwargs
+from drafters.drafter.model import DFlashDrafter
+from drafters.target.loading import load_target_config
 from train.setup import resolve_draft_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +66,8 @@ def test_the_launch_lines_in_each_header_name_what_exists(name, stage):
     assert f"configs/{name}{stage}.yaml" in header  # every command takes this very file
     for module in re.findall(r"-m ([\w.]+)", header):
         assert find_spec(module) is not None, module
+    for verb in re.findall(r"(?:dflash-pipeline|-m scripts\.cli) ([\w-]+)", header):
+        assert verb in VERBS, verb
     for named in re.findall(r"((?:configs|scripts|train)/[\w./-]+\.(?:yaml|py))", header):
         assert (REPO / named).is_file(), named
 

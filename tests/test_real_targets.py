@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from data.chat_masks import (KIMI_K2_TEMPLATE, ChatMaskError, EndOfTurnNotFoundError, encode, end_of_turn_ids,
+from drafters.target.chat import (KIMI_K2_TEMPLATE, ChatMaskError, EndOfTurnNotFoundError, encode, end_of_turn_ids,
                              load_deepseek_v3_tokenizer, load_tokenizer, mask_conversation, mask_generation, render,
                              set_thinking, template_end_of_turn)
-from drafters.target_loading import TargetLoadError, load_target_config, load_target_model, load_target_tokenizer
-from drafters.testbed import save_tiny_target
+from drafters.target.loading import TargetLoadError, load_target_config, load_target_model, load_target_tokenizer
+from drafters.target.testbed import save_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 KIMI_SPECIAL = {  # ids as in Kimi K2's tokenizer_config.json

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from data.regenerate import (
+from data.regeneration.regenerate import (
     DATASET_DIR, QUARANTINE_FILE, SUMMARY_FILE, WORK_DIR, RegenerationInterrupted, dataset_schema, load_regenerated,
     read_quarantine, regenerate,
 )

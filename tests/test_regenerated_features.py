@@ -9,9 +9,9 @@ import torch
 from datasets import Dataset, concatenate_datasets
 
 from data.feature_cache import FeatureCacheReader, write_feature_cache
-from data.regenerate import regenerate
-from data.regenerated_features import RegeneratedFeatures, features_dir, row_key
-from drafters.capture import HFCapture
+from data.regeneration.regenerate import regenerate
+from data.feature_cache.regenerated import RegeneratedFeatures, features_dir, row_key
+from drafters.target.capture import HFCapture
 
 LAYERS = [1, 14, 29]  # 29 is the last layer: its id returns the final-norm output
 PROMPTS = [
@@ -88,8 +88,8 @@ def test_greedy_choices_of_regenerated_responses_are_read_not_projected_again(re
     # inside the response they are the next tokens the decode steps chose, so only the prompt and the last
     # position go through the lm_head. The result equals projecting every position.
     from configs.schema import load_config
-    from data.mixture import greedy_response_spans
-    from drafters.capture import Captured
+    from data.sources.mixture import greedy_response_spans
+    from drafters.target.capture import Captured
     from train.batches import collate
     from train.features import TargetChoices
 

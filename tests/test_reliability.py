@@ -14,8 +14,8 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 
-from drafters.contract import ContractError, check_folder
-from drafters.testbed import save_tiny_target
+from drafters.export.contract import ContractError, check_folder
+from drafters.target.testbed import save_tiny_target
 from train.checkpointing import list_checkpoints, read_trainer_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,8 +160,8 @@ def test_training_refuses_an_empty_or_broken_config(name, tmp_path):
         assert "line 4, column 8" in result.stderr  # where the unclosed list is noticed
 
 
-@pytest.mark.parametrize("command", [["scripts/retrain.py"], ["-m", "eval.acceptance", "--drafter", "x"],
-                                     ["-m", "train.capture_job"]])
+@pytest.mark.parametrize("command", [["-m", "scripts.cli", "retrain"], ["-m", "scripts.cli", "eval", "--drafter", "x"],
+                                     ["-m", "scripts.cli", "prepare"]])
 def test_every_config_command_refuses_empty_and_malformed_configs(command, tmp_path):
     for name in ("empty.yaml", "malformed.yaml"):
         text, expected = BAD_CONFIGS[name]
@@ -218,7 +218,7 @@ def test_an_export_never_carries_remote_code_settings(finished_run, tmp_path):
     (source / "config.json").write_text(json.dumps(cfg))
     (source / "modeling_dflash.py").write_text("import os\nos.system('touch PWNED')\n")
 
-    export = [sys.executable, "scripts/export.py", str(source), str(tmp_path / "out"), "--dtype", "bf16"]
+    export = [sys.executable, "-m", "scripts.cli", "export", str(source), str(tmp_path / "out"), "--dtype", "bf16"]
     refused = _run(export)
     assert refused.returncode == 1 and "auto_map" in refused.stderr and "--allow-remote-code-source" in refused.stderr
     assert not (tmp_path / "out").exists()
@@ -243,13 +243,13 @@ def test_an_export_never_carries_remote_code_settings(finished_run, tmp_path):
 
 
 def test_a_sidecar_gives_the_content_fingerprint_and_refuses_a_folder_it_does_not_describe(workspace, tmp_path):
-    from drafters.target_fingerprint import FingerprintError, target_fingerprint
+    from drafters.target.fingerprint import FingerprintError, target_fingerprint
 
     target = tmp_path / "target"
     shutil.copytree(workspace / "target", target)
     with pytest.raises(FingerprintError, match="--write"):
         target_fingerprint(target, "sidecar")
-    written = _run([sys.executable, "-m", "drafters.target_fingerprint", str(target), "--write"])
+    written = _run([sys.executable, "-m", "scripts.cli", "fingerprint", str(target), "--write"])
     assert written.returncode == 0, written.stderr[-3000:]
     assert target_fingerprint(target, "sidecar") == target_fingerprint(target) == written.stdout.split()[-1]
     (target / "extra.safetensors").write_bytes(b"x")

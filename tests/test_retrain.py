@@ -1,7 +1,7 @@
 """scripts/retrain.py: the continuous-retraining cycle, end to end in real processes (no mocks).
 
 Target: a tiny random-weight Llama (hidden 64, 8 layers) carrying the SmolLM2 tokenizer and chat template
-(same 49,152-token vocabulary), so that the agentic simulator (scripts/simulate_agentic.py) can make the
+(same 49,152-token vocabulary), so that the agentic simulator (dflash-pipeline simulate) can make the
 traffic: the tiny target writes every assistant turn, tool results are real. Its greedy outputs are
 extremely low-entropy (one token repeated, chosen by the context), which a 1-layer drafter learns in 10
 steps: that is what makes two promotions observable on a shared 2-core CPU in a few seconds. The real
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from data.trajectories import load_trajectories, write_trajectories
+from data.trajectory.reader import load_trajectories, write_trajectories
 from retraining.state import StateDir, new_state
 from retraining.traffic import cycle_heldout_file, discover, is_heldout, session_roots
 
@@ -90,7 +90,7 @@ def copy_state(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    from drafters.testbed import prepare_testbed_target, save_tiny_target
+    from drafters.target.testbed import prepare_testbed_target, save_tiny_target
 
     smol = prepare_testbed_target()
     folder = save_tiny_target("llama", tmp_path_factory.mktemp("retrain") / "target")
@@ -105,7 +105,7 @@ def traffic(target, tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from data.chat_masks import load_tokenizer
+    from drafters.target.chat import load_tokenizer
     from simulator.simulate import SimConfig, simulate
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
@@ -180,8 +180,8 @@ def lifecycle(target, traffic, make_hostile_lines, tmp_path_factory):
 
 
 def test_two_cycles_promote_better_drafters(lifecycle, target, traffic):
-    from drafters.checkpoint import load_drafter
-    from drafters.contract import check_folder
+    from drafters.drafter.checkpoint import load_drafter
+    from drafters.export.contract import check_folder
     from transformers import AutoConfig
 
     state_dir = lifecycle["state"]

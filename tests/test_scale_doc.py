@@ -8,8 +8,8 @@ from transformers import DeepseekV3Config
 
 from configs.schema import load_config
 from data.feature_cache import feature_bytes_per_token
-from drafters.draft_config import build_draft_config
-from drafters.model import DFlashDrafter
+from drafters.drafter.config import build_draft_config
+from drafters.drafter.model import DFlashDrafter
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = (REPO / "docs" / "scale.md").read_text()

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from data.chat_masks import encode, render
-from data.prefix_tree import build_prefix_tree
-from data.sources import load_code, split_documents
-from data.trajectories import load_trajectories
-from simulator.simulate import SimConfig, Workspace, log_path, main, parse_range, simulate
+from drafters.target.chat import encode, render
+from data.trajectory.prefix_tree import build_prefix_tree
+from data.sources.builtin import load_code, split_documents
+from data.trajectory.reader import load_trajectories
+from scripts.cli import main
+from simulator.simulate import SimConfig, Workspace, log_path, parse_range, simulate
 
 VOCAB = 49_152
 SYSTEM = "You are a coding agent. Tools: read_file, list_dir, grep, run, task. One tool call per turn."
@@ -43,7 +44,7 @@ def target(testbed_target):
 
 @pytest.fixture(scope="module")
 def tokenizer(target):
-    from data.chat_masks import load_tokenizer
+    from drafters.target.chat import load_tokenizer
 
     return load_tokenizer(target)
 
@@ -215,7 +216,7 @@ def test_same_seed_same_log_and_train_heldout_disjoint(target, tokenizer, tmp_pa
     assert _content(a.path) == _content(b.path)
     assert [r.request_id for r in a.records] == [r.request_id for r in b.records]
     # Held-out run through the CLI: disjoint session ids, files and seed space.
-    assert main(["--out", str(tmp_path / "h"), "--sessions", "1", "--split", "heldout", "--turns", "3",
+    assert main(["simulate", "--out", str(tmp_path / "h"), "--sessions", "1", "--split", "heldout", "--turns", "3",
                  "--subagent-share", "0", "--max-new-tokens", "4", "--tool-tokens", "32", "--threads", "1",
                  "--quiet"]) == 0
     printed = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""data/sources.py on the real corpus files: split, loaders, prompt builders, missing packages."""
+"""data/sources/builtin.py on the real corpus files: split, loaders, prompt builders, missing packages."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from data import sources
-from data.prompts import CHAT_REPHRASINGS
-from data.sources import (
+from data.sources import builtin as sources
+from data.sources.prompts import CHAT_REPHRASINGS
+from data.sources.builtin import (
     CATEGORIES,
     CorpusPackage,
     Document,
@@ -60,7 +60,7 @@ def test_split_does_not_depend_on_python_hash_seed():
     # sha256-based: pinned values and a fresh interpreter with another PYTHONHASHSEED agree.
     assert heldout_score("code:json/decoder.py") == pytest.approx(0.9509809795075941, abs=1e-12)
     assert heldout_score("prose:shakespeare-work:hamlet") == pytest.approx(0.9627452020163932, abs=1e-12)
-    script = ("from data.sources import Document, split_documents\n"
+    script = ("from data.sources.builtin import Document, split_documents\n"
               "docs=[Document(id=f'synthetic:doc{i}', category='prose', source='s', licence='', text='x')"
               " for i in range(500)]\n"
               "print(sorted(d.id for d in split_documents(docs, 0.1)[1]))\n")

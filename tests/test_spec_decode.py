@@ -8,14 +8,14 @@ import torch
 
 import dflash.model as reference
 from configs.schema import DrafterConfig
-from drafters.blocks import block_positions
-from drafters.capture import HFCapture
-from drafters.checkpoint import save_drafter
-from drafters.draft_config import build_draft_config
-from drafters.frozen_target import FrozenTargetHead
-from drafters.model import DFlashDrafter
-from drafters.spec_decode import accept_sampled, generate
-from drafters.testbed import tiny_llama_target
+from drafters.drafter.blocks import block_positions
+from drafters.target.capture import HFCapture
+from drafters.drafter.checkpoint import save_drafter
+from drafters.drafter.config import build_draft_config
+from drafters.target.frozen import FrozenTargetHead
+from drafters.drafter.model import DFlashDrafter
+from drafters.decoding.spec_decode import accept_sampled, generate
+from drafters.target.testbed import tiny_llama_target
 
 B, NEW = 8, 48
 PROMPT = torch.tensor([[5, 90, 123, 77, 400, 12, 9, 300]])

@@ -1,13 +1,13 @@
-"""Grouped-query SDPA for a target on the CPU (drafters/target_attention.py): the same numbers as transformers'
+"""Grouped-query SDPA for a target on the CPU (drafters/target/attention.py): the same numbers as transformers'
 `sdpa`, which repeats the key/value heads under a padding mask, on real targets and left-padded batches."""
 
 import pytest
 import torch
 
-from data.chat_masks import load_tokenizer, prompt_ids
-from data.generation import BatchGenerator
-from drafters.target_attention import ATTENTION
-from drafters.target_loading import load_target_model
+from drafters.target.chat import load_tokenizer, prompt_ids
+from engines.hf.generation import BatchGenerator
+from drafters.target.attention import ATTENTION
+from drafters.target.loading import load_target_model
 
 PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 17599, 30, 2], [1, 4093, 198, 504], [1, 4093, 198, 21131, 282, 1029, 314]]
 
@@ -65,7 +65,7 @@ def test_cpu_target_attends_grouped_with_the_library_numbers(testbed_target, gro
 def test_tiny_targets_with_the_library_numbers(kind, grouped_branch, tmp_path, grouped_masked_calls):
     """Two key/value heads for four query heads (Llama: the grouped branch); MLA's keys and values already have a
     head per query head, so DeepSeek-V3 is handed to the library's own path."""
-    from drafters.testbed import save_tiny_target
+    from drafters.target.testbed import save_tiny_target
 
     grouped, library = _pair(save_tiny_target(kind, tmp_path / kind))
     assert grouped.config._attn_implementation == ATTENTION
@@ -106,7 +106,7 @@ def test_decoding_cache_keeps_fp32_keys_in_buffers_with_the_library_cache_number
     and of each decode step are the library cache's, bit for bit."""
     from transformers import DynamicCache
 
-    from drafters.target_attention import decoding_cache
+    from drafters.target.attention import decoding_cache
 
     model = load_target_model(testbed_target, dtype=torch.bfloat16)
     ids, mask = _padded(PROMPTS)
@@ -135,7 +135,7 @@ def test_batched_generation_uses_the_decoding_cache_and_projects_a_contiguous_la
     of one in regeneration) keeps the library's cache and torch's kernel, the eval's numbers. The prefill hands the
     vocabulary projection its last positions contiguous (a strided slice makes torch copy the whole head once per
     sequence)."""
-    from drafters.target_attention import BufferedLayer
+    from drafters.target.attention import BufferedLayer
 
     updates, contiguous = [], []  # cache updates; whether each head input was contiguous
     update = BufferedLayer.update
@@ -163,8 +163,8 @@ def test_batched_generation_uses_the_decoding_cache_and_projects_a_contiguous_la
 def test_decoding_cache_only_for_grouped_heads_with_plain_keys(tmp_path):
     """MLA (DeepSeek-V3, Kimi K2) caches a latent that its bf16 projection reads back, and a head per query head
     never takes the one-query path: both keep the library's cache, and batched generation in bf16 runs."""
-    from drafters.target_attention import decoding_cache
-    from drafters.testbed import save_tiny_target
+    from drafters.target.attention import decoding_cache
+    from drafters.target.testbed import save_tiny_target
 
     ids, mask = _padded([[1, 5, 7], [1, 9]])
     for kind, buffered in (("llama", True), ("deepseek_v3", False)):

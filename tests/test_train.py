@@ -16,8 +16,8 @@ from datasets import Dataset
 from safetensors.torch import load_file, save_file
 
 from configs.schema import load_config
-from drafters.checkpoint import load_drafter
-from drafters.testbed import save_tiny_target
+from drafters.drafter.checkpoint import load_drafter
+from drafters.target.testbed import save_tiny_target
 from train.checkpointing import list_checkpoints, pickle_files, read_trainer_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_distributed_two_processes_save_and_resume(workspace, reference_run, acc
         # one): without it they stop at once, naming the capture job, instead of waiting in a barrier.
         refused = _run([*launch, *_args(workspace, out, f"cache_dir={workspace / 'no-cache'}")], timeout=600)
         assert refused.returncode != 0 and "is not complete" in refused.stderr, refused.stderr[-3000:]
-        assert "-m train.capture_job" in refused.stderr and not list_checkpoints(out)
+        assert "-m scripts.cli prepare" in refused.stderr and not list_checkpoints(out)
     cmd = [*launch, *_args(workspace, out, "train.max_steps=2", "train.save_every=1")]
     result = _run(cmd, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -233,7 +233,7 @@ def test_loss_mask_anchors_with_weighted_slots_train_deterministically(workspace
 
 
 def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_run):
-    from data.trajectories import write_trajectories
+    from data.trajectory.reader import write_trajectories
 
     g = torch.Generator().manual_seed(1)
     system = torch.randint(20, 2000, (24,), generator=g).tolist()
@@ -256,7 +256,7 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
                    f"train.init_from={reference_run}", f"cache_dir={workspace / 'cache'}", "train.max_steps=2",
                    "train.batch_size=2", "train.anchors_per_seq=4", "train.precision=fp32", "logging.wandb=false"]
     # The prepare stage owns the data: the prefix-tree dataset with its manifest, then the feature cache.
-    prepared = _run([sys.executable, "-m", "train.prepare", *stage2_args])
+    prepared = _run([sys.executable, "-m", "scripts.cli", "prepare", *stage2_args])
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     manifest = json.loads(prepared.stdout.strip().splitlines()[-1])
     assert manifest["kind"] == "dflash-prepared-trajectories"
@@ -275,7 +275,7 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
     assert "output_ids" in (out / "quarantine.jsonl").read_text()
     # Stage 2's features come from the prefix-tree cache: the target ran once per unique token of the
     # training rows (the shared system prompt and each session's earlier turns once), not once per row.
-    from data.prefix_tree import PrefixTree
+    from data.trajectory.prefix_tree import PrefixTree
 
     tree = PrefixTree()
     for r in records:

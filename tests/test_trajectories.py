@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.trajectories import (
+from data.trajectory.reader import (
     REASONS,
     IngestSummary,
     ReconciliationError,

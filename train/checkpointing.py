@@ -28,11 +28,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
 from common.atomic_files import replace_folder
 from configs.schema import ConfigError, PipelineConfig
-from drafters.checkpoint import STEP_DIR, checkpoints_dir, latest_checkpoint, list_checkpoints  # noqa: F401  (the layout)
+from drafters.drafter.checkpoint import (  # noqa: F401  (the layout)
+    STEP_DIR,
+    checkpoints_dir,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from train.divergence import prunable
 
 RUN_CONFIG = "run_config.json"
@@ -137,8 +143,6 @@ def set_rng_state(accelerator, state: dict) -> None:
 
 
 def is_deepspeed(accelerator) -> bool:
-    from accelerate.utils import DistributedType
-
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 

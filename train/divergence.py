@@ -21,7 +21,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from drafters.checkpoint import TRAINER_STATE, checkpoints_dir, list_checkpoints
+from drafters.drafter.checkpoint import TRAINER_STATE, checkpoints_dir, list_checkpoints
 
 SMOOTHING = 0.9  # weight of the past in the moving averages: about 10 steps
 DIVERGED_DIR = "diverged"

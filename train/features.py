@@ -5,7 +5,7 @@ offline: the target runs once over the dataset into the on-disk cache (bf16 or F
 training reads the cache. Both give the same `Captured` tensors for a batch.
 
 The offline cache of a single-process run is captured by the run itself when it is missing. A
-multi-process run only reads it: `python -m train.capture_job` (launched like training) captures it on
+multi-process run only reads it: `dflash-pipeline prepare` (launched like training) captures it on
 every rank first, so no rank waits in a barrier for a capture.
 """
 
@@ -16,12 +16,26 @@ import hashlib
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
 from common.atomic_files import write_bytes_atomic, write_json_atomic
 from configs.schema import PipelineConfig
-from data.engine_settings import context_length
-from data.feature_cache import CacheMismatchError
-from drafters.capture import Captured, make_capture
+from data.feature_cache import (
+    CacheMismatchError,
+    FeatureCacheReader,
+    cache_complete,
+    dataset_fingerprint,
+    feature_cache_kwargs,
+    write_feature_cache,
+    write_row_tree_feature_cache,
+)
+from data.sources.mixture import regenerated_features
+from drafters.drafter.objective import target_choices
+from drafters.target.capture import Captured, make_capture
+from drafters.target.fingerprint import target_fingerprint
+from engines.settings import context_length
+from engines.vllm.capture import EngineCapture
 from train.batches import Batch
 from train.setup import load_configured_target
 
@@ -56,7 +70,7 @@ class OfflineFeatures:
         return Captured(selected.to(self.device), final.to(self.device) if final is not None else None)
 
 
-CAPTURE_COMMAND = "accelerate launch -m train.capture_job --config CONFIG [the same overrides]"
+CAPTURE_COMMAND = "accelerate launch -m scripts.cli prepare --config CONFIG [the same overrides]"
 
 
 class FeatureCacheMissing(ValueError):
@@ -83,9 +97,6 @@ def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_fingerp
 
 def config_cache_dir(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], cache_root: Path) -> Path:
     """The cache folder of this config and dataset (training and the capture job agree on it)."""
-    from data.feature_cache import dataset_fingerprint
-    from drafters.target_fingerprint import target_fingerprint
-
     return feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_fingerprint(target_path, config.target.fingerprint),
                              layer_ids, config.features.cache_dtype,
                              cache_layout(config), config.data.max_seq_len)
@@ -99,14 +110,11 @@ def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, la
     ``cached_tokens``: what the finished cache holds (a tree: the rows' unique tokens); ``row_tokens``:
     what capturing every row on its own would have run.
     """
-    from data.feature_cache import cache_complete, feature_cache_kwargs, write_feature_cache, write_row_tree_feature_cache
-
     layout = cache_layout(config)
     out_dir = config_cache_dir(config, dataset, target_path, layer_ids, cache_root)
     if cache_complete(out_dir):
         return {"cache": str(out_dir), "layout": layout, "complete": True, "target_tokens": 0}
     if config.target.feature_backend == "vllm":  # the engine captures: the target's body is never loaded here
-        from data.engine_capture import EngineCapture
 
         # A row of max_seq_len tokens plus the one token vLLM must be allowed to generate.
         needed = config.data.max_seq_len + 1
@@ -152,8 +160,6 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
         capture = make_capture(config.target.feature_backend, target, layer_ids, output_device=accelerator.device)
         return OnlineFeatures(capture, accelerator.device, with_final)
 
-    from data.feature_cache import FeatureCacheReader, cache_complete
-
     out_dir = config_cache_dir(config, dataset, target_path, layer_ids, cache_root)
     if not cache_complete(out_dir):
         if accelerator.num_processes > 1:
@@ -172,13 +178,12 @@ def _regenerated(config: PipelineConfig, target_path: Path, layer_ids: list[int]
     """Features the mixture's regeneration kept (stage 1 on the general mixture only)."""
     if config.data.dataset is not None or config.train.stage != "general":
         return None
-    from data.mixture import regenerated_features
 
     return regenerated_features(config, target_path, cache_root, layer_ids)
 
 
 class TargetChoices:
-    """Per dataset row, the target's greedy next token after every position (drafters.objective.target_choices).
+    """Per dataset row, the target's greedy next token after every position (drafters.drafter.objective.target_choices).
 
     Computed from the batch's final hidden states the first time a row is seen and kept (an int32 per
     token): later epochs skip that vocabulary projection. Each row is computed alone, unpadded, so the
@@ -189,7 +194,7 @@ class TargetChoices:
     file) reads them instead of projecting every cached position again.
 
     next_token_spans: per row, positions [lo, hi) whose choice is simply the next token, because the target
-    wrote it greedily (data.mixture.greedy_response_spans): the decode step already paid for that argmax.
+    wrote it greedily (data.sources.mixture.greedy_response_spans): the decode step already paid for that argmax.
     """
 
     def __init__(self, lm_head_weight: torch.Tensor, chunk_rows: int, *, store: Path | None = None,
@@ -204,8 +209,6 @@ class TargetChoices:
         self.loaded = store is not None and self._load()
 
     def _load(self) -> bool:
-        from safetensors import safe_open
-
         if not self.store.exists():
             return False
         with safe_open(str(self.store), framework="pt") as f:
@@ -217,8 +220,6 @@ class TargetChoices:
         return True
 
     def _save(self) -> None:
-        from safetensors.torch import save
-
         rows = [self.rows[i] for i in range(self.num_rows)]
         offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
         write_bytes_atomic(self.store, save({"tokens": torch.cat(rows), "offsets": offsets},
@@ -226,8 +227,6 @@ class TargetChoices:
 
     def __call__(self, batch: Batch, captured: Captured) -> torch.Tensor:
         """[Bsz, T] long (padding: -1)."""
-        from drafters.objective import target_choices
-
         lengths = batch.attention_mask.sum(1).tolist()
         computed = False
         for b, i in enumerate(batch.indices):

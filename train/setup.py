@@ -8,23 +8,26 @@ import torch
 from datasets import Dataset, load_from_disk
 
 from common.dtypes import torch_dtype
+from configs.paths import default_cache_dir
 from configs.schema import PipelineConfig
-from drafters.draft_config import build_draft_config
-from drafters.draft_config import choose_mask_token_id
+from data.sources.mixture import build_mixture
+from data.trajectory.dataset import build_trajectory_dataset
+from drafters.drafter.checkpoint import find_drafter_folder, load_draft_config
+from drafters.drafter.config import build_draft_config, choose_mask_token_id
+from drafters.drafter.model import dflash_settings
+from drafters.target.fingerprint import note_target, target_fingerprint
+from drafters.target.loading import TargetLoadError, load_target_tokenizer
+from drafters.target.loading import load_target_model as load
+from drafters.target.testbed import prepare_testbed_target
+
 
 def cache_root(config: PipelineConfig) -> Path:
-    from configs.paths import default_cache_dir
-
     return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
 
 
 def resolve_target(config: PipelineConfig, log=print) -> Path:
     """The target folder; None in the config means the embedded testbed target, prepared on demand."""
-    from drafters.target_fingerprint import note_target, target_fingerprint
-
     if config.target.path is None:
-        from drafters.testbed import prepare_testbed_target
-
         path = prepare_testbed_target(cache_root(config))
     else:
         path = Path(config.target.path)
@@ -40,8 +43,6 @@ def resolve_draft_config(config: PipelineConfig, target_path: Path, target_confi
     target that does not fit (both values named)."""
     mask_token_id = config.drafter.mask_token_id
     if mask_token_id is None:
-        from drafters.target_loading import TargetLoadError, load_target_tokenizer
-
         try:
             tokenizer = load_target_tokenizer(target_path, config.target.trust_remote_code)
         except TargetLoadError:
@@ -54,19 +55,13 @@ def resolve_draft_config(config: PipelineConfig, target_path: Path, target_confi
 
 def drafter_layer_ids(config: PipelineConfig, target_path: Path, target_config) -> list[int]:
     """The target layers the run's drafter reads: the stage-1 drafter's (train.init_from) or the drafter section's."""
-    from drafters.model import dflash_settings
-
     if config.train.init_from:
-        from drafters.checkpoint import find_drafter_folder, load_draft_config
-
         return dflash_settings(load_draft_config(find_drafter_folder(config.train.init_from)))[0]
     return dflash_settings(resolve_draft_config(config, target_path, target_config))[0]
 
 
 def load_configured_target(config: PipelineConfig, target_path: Path, device: torch.device):
     """The target as the config asks for it (dtype, device_map, trust_remote_code), on `device`."""
-    from drafters.target_loading import load_target_model as load
-
     device_map = config.target.device_map if device.type != "cpu" else None
     model = load(target_path, dtype=torch_dtype(config.target.dtype, device), device_map=device_map,
                  trust_remote_code=config.target.trust_remote_code)
@@ -84,14 +79,10 @@ def training_dataset(config: PipelineConfig, target_path: Path, accelerator, lay
             raise ValueError(f"data.dataset {path} does not exist")
         return load_from_disk(str(path))
     if config.train.stage == "general":
-        from data.mixture import build_mixture
-
         # Features kept while regenerating: the in-process target's forwards (hf regeneration, hf capture).
         keep = (layer_ids if config.features.mode == "offline" and config.target.feature_backend == "hf"
                 and config.generation_backend == "hf" else None)
         # Every process regenerates its share of the prompts (a single one: all of them).
         return build_mixture(config, target_path, cache_root(config), feature_layers=keep, ranks=accelerator)
     with accelerator.main_process_first():
-        from data.trajectory_dataset import build_trajectory_dataset
-
         return build_trajectory_dataset(config, target_path, cache_root(config))

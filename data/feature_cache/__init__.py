@@ -10,7 +10,7 @@ Producers, one on-disk format, one reader (each module has one job):
 * ``rows``: :func:`write_feature_cache` - one *segment* per dataset row (``kind = "rows"``), rows
   captured in length-sorted padded batches (padding dropped before storing).
 * ``tree``: :func:`write_tree_feature_cache` - one segment per edge of a
-  :class:`data.prefix_tree.PrefixTree` (``kind = "tree"``); every unique token runs through the target
+  :class:`data.trajectory.prefix_tree.PrefixTree` (``kind = "tree"``); every unique token runs through the target
   ONCE, each edge continuing from its parent path's KV cache. :func:`write_row_tree_feature_cache` does
   this for a training dataset's rows merged into a tree: rows that share a prefix compute it once.
 * ``reader``: :class:`FeatureCacheReader` - lazy, memory-mapped, dequantises to the requested dtype,
@@ -19,17 +19,34 @@ Producers, one on-disk format, one reader (each module has one job):
   ``quantization``: bf16 / FP8 storage; ``fingerprints``: content hashes of datasets and trees.
 
 Every producer takes ``rank`` / ``world_size``: ranks capture contiguous blocks of one shard plan into
-one folder with no communication (``python -m train.capture_job``). The on-disk format, crash safety and
+one folder with no communication (``dflash-pipeline prepare``). The on-disk format, crash safety and
 resume are described in data/FEATURE_CACHE_FORMAT.md.
 """
 
 from data.feature_cache.fingerprints import dataset_fingerprint, tree_fingerprint
-from data.feature_cache.quantization import CACHE_DTYPES, FP8_MAX, dequantize_fp8, feature_bytes_per_token, quantize_fp8
+from data.feature_cache.quantization import (
+                                    CACHE_DTYPES,
+                                    FP8_MAX,
+                                    dequantize_fp8,
+                                    feature_bytes_per_token,
+                                    quantize_fp8,
+)
 from data.feature_cache.reader import FeatureCacheReader
 from data.feature_cache.rows import feature_cache_kwargs, write_feature_cache
-from data.feature_cache.store import CACHE_FORMAT, CACHE_VERSION, CacheMismatchError, CacheWriteResult, cache_complete
-from data.feature_cache.tree import (TreeCaptureStats, iter_tree_features, row_prefix_tree, write_row_tree_feature_cache,
-                                    write_tree_feature_cache)
+from data.feature_cache.store import (
+                                    CACHE_FORMAT,
+                                    CACHE_VERSION,
+                                    CacheMismatchError,
+                                    CacheWriteResult,
+                                    cache_complete,
+)
+from data.feature_cache.tree import (
+                                    TreeCaptureStats,
+                                    iter_tree_features,
+                                    row_prefix_tree,
+                                    write_row_tree_feature_cache,
+                                    write_tree_feature_cache,
+)
 
 __all__ = [
     "CACHE_DTYPES",

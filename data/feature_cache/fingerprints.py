@@ -7,13 +7,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 
 def ids_chunk(dataset, r0: int, r1: int, column: str = "input_ids") -> tuple[np.ndarray, np.ndarray]:
     """(lengths int64 [r1-r0], flat values int64) of rows r0..r1-1, through Arrow (respects select/shuffle)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     table = dataset.with_format("arrow")[r0:r1]
     arr = table.column(column).combine_chunks()
     if isinstance(arr, pa.ChunkedArray):  # zero chunks

@@ -10,10 +10,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from data.feature_cache.fingerprints import dataset_fingerprint
 from data.feature_cache.quantization import dequantize_fp8, feature_bytes_per_token
-from data.feature_cache.store import CACHE_FORMAT, CACHE_VERSION, INDEX_FILE, CacheMismatchError
+from data.feature_cache.store import (
+    CACHE_FORMAT,
+    CACHE_VERSION,
+    INDEX_FILE,
+    CacheMismatchError,
+)
 
 
 class FeatureCacheReader:
@@ -101,8 +107,6 @@ class FeatureCacheReader:
         return i
 
     def _handle(self, s_no: int):
-        from safetensors import safe_open
-
         h = self._handles.get(s_no)
         if h is None:
             h = safe_open(str(self.out_dir / self.index["shards"][s_no]["file"]), framework="pt", device="cpu")
@@ -218,7 +222,7 @@ class FeatureCacheReader:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
     def get_window(self, leaf_id: int, window_start: int, length: int, dtype: torch.dtype | None = None):
-        """Features for a :class:`~data.prefix_tree.TrainingPath` (``leaf_id``, ``window_start``, len)."""
+        """Features for a :class:`~data.trajectory.prefix_tree.TrainingPath` (``leaf_id``, ``window_start``, len)."""
         return self.get_path(self.leaf_edge(leaf_id), window_start, window_start + length, dtype)
 
     # -- dataset rows --------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from common.atomic_files import atomic_path, write_json_atomic
 from common.locks import FileLock
@@ -226,8 +228,6 @@ class ShardWriter:
 
     def shard_done(self, shard_no: int, repair: bool = False) -> bool:
         """The shard's file is on disk and its header names this cache and this shard's segments."""
-        from safetensors import safe_open
-
         path = self.out_dir / shard_name(shard_no)
         if not path.exists():
             return False
@@ -252,8 +252,6 @@ class ShardWriter:
 
     def write(self, shard_no: int, parts: list[dict[str, torch.Tensor]]) -> None:
         """Write shard ``shard_no`` from its segments' storage-form tensors (in segment order)."""
-        from safetensors.torch import save_file
-
         entry = self.header["shards"][shard_no]
         got = [int(p["input_ids"].shape[0]) for p in parts]
         if got != entry["lengths"]:

@@ -4,7 +4,7 @@ Edges are visited in DFS preorder and each continues from the KV cache of its pa
 position ids ``start + arange``). A root-to-leaf path, or any window of it, is the concatenation of its
 edges' features. Two kinds of tree are captured:
 
-* a tree of logged requests (:class:`data.prefix_tree.PrefixTree` built from trajectories):
+* a tree of logged requests (:class:`data.trajectory.prefix_tree.PrefixTree` built from trajectories):
   :func:`write_tree_feature_cache`; paths carry full-context features;
 * the rows of a training dataset merged into a tree (:func:`row_prefix_tree`):
   :func:`write_row_tree_feature_cache`. Each row is a root-to-node path of at most ``max_seq_len``
@@ -22,22 +22,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from data.feature_cache.fingerprints import iter_rows, scan_dataset, tree_fingerprint
 from data.feature_cache.rows import bounded_lengths, dataset_header
 from data.feature_cache.store import CacheWriteResult, ShardWriter, make_header
+from data.trajectory.prefix_tree import PrefixTree
+from drafters.target.capture import crop_cache
 
 
 def default_cache_factory(capture) -> Callable[[], Any]:
-    from transformers import DynamicCache
-
     config = capture.model.config
     return lambda: DynamicCache(config=config)
 
 
 def crop(cache, length: int) -> None:
-    from drafters.capture import crop_cache
-
     crop_cache(cache, length)
 
 
@@ -221,7 +220,7 @@ def write_tree_feature_cache(
     rows: dict | None = None,
     dataset: dict | None = None,
 ) -> CacheWriteResult:
-    """Capture a :class:`~data.prefix_tree.PrefixTree`'s features once per unique token, one segment per edge.
+    """Capture a :class:`~data.trajectory.prefix_tree.PrefixTree`'s features once per unique token, one segment per edge.
 
     See :func:`iter_tree_features` for the KV reuse (``chunk_tokens``, ``strategy``,
     ``cache_factory``). Shards hold runs of edges in DFS order; rank ``rank`` of ``world_size``
@@ -265,8 +264,6 @@ def row_prefix_tree(dataset, max_seq_len: int | None = None):
     """``(tree, rows)``: the dataset's rows (cut to ``max_seq_len``) merged into a prefix tree, and where
     each row ends in it: ``rows = {"edge": [...], "length": [...]}`` (edge -1 for an empty row), so row r
     is the first ``length[r]`` tokens of the root-to-``edge[r]`` path."""
-    from data.prefix_tree import PrefixTree
-
     tree = PrefixTree()
     for _, ids in iter_rows(dataset):
         tree.add(ids[:max_seq_len], np.empty(0, np.int32))

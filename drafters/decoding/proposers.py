@@ -1,0 +1,123 @@
+"""What proposes the drafts the target verifies: a DFlash drafter, prompt lookup (n-grams), or nothing.
+
+A proposer is asked for drafts once per decode step (``propose``) and told which tokens the target
+committed (``commit``). ``layer_ids`` names the target layers whose outputs it reads; the decode loop
+(``drafters.decoding.spec_decode.decode``) captures exactly those from the passes it runs anyway, so a proposer
+never costs a target forward of its own.
+
+Prompt lookup is the training-free option users have today (transformers' ``prompt_lookup_num_tokens``,
+vLLM's and SGLang's ``ngram`` speculative method): take the last n tokens of the context (prompt +
+generated so far), n from ``max_ngram`` down to ``min_ngram``, find their first (earliest) earlier
+occurrence in the context, as transformers and vLLM do, and propose up to ``num_draft`` tokens that
+followed it. No match: no draft, and the step is an ordinary decode step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from drafters.drafter.model import DFlashDrafter, DraftCache
+from drafters.target.frozen import FrozenTargetHead
+
+
+class Proposal(NamedTuple):
+    drafts: list[int]
+    # [len(drafts), V] the distribution each draft was sampled from (T > 0); None: the drafts were chosen,
+    # not sampled (a point mass on each).
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    layer_ids: list[int]  # target layers whose outputs propose() reads; [] for none
+
+    def start(self, prompt_features: torch.Tensor | None) -> None:
+        """Called once after the prompt's prefill, with its captured features [1, n, K*H] (None without layers)."""
+
+    def propose(self, context: np.ndarray, room: int, temperature: float,
+                generator: torch.Generator | None) -> Proposal:
+        """Drafts to follow ``context`` (prompt + committed tokens; its last token is the anchor), at most ``room``."""
+
+    def commit(self, features: torch.Tensor | None) -> None:
+        """The features [1, n, K*H] of the anchor and the accepted drafts of the last step (None without layers)."""
+
+
+def ngram_lookup(context: np.ndarray | list[int], max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 15) -> list[int]:
+    """Up to ``num_draft`` tokens that followed the earliest earlier occurrence of the context's last n
+    tokens, for the largest n in [min_ngram, max_ngram] that has one; [] when none matches."""
+    context = np.asarray(context)
+    length = context.shape[0]
+    if num_draft <= 0 or length < 2:
+        return []
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = context[length - n:]
+        # Windows of context[:-1] start at 0 .. length - 1 - n: every occurrence except the suffix itself,
+        # and each is followed by at least one token.
+        windows = sliding_window_view(context[: length - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[0]) + n
+            return context[start: start + num_draft].tolist()
+    return []
+
+
+class TargetOnly:
+    """No drafts: every step is one ordinary decode step of the target (the baseline and T = 0 ground truth)."""
+
+    layer_ids: list[int] = []
+
+    def start(self, prompt_features) -> None:
+        pass
+
+    def propose(self, context, room, temperature, generator) -> Proposal:
+        return Proposal([])
+
+    def commit(self, features) -> None:
+        pass
+
+
+class PromptLookup(TargetOnly):
+    """Drafts copied from the context by ``ngram_lookup``."""
+
+    def __init__(self, num_draft: int = 15, max_ngram: int = 3, min_ngram: int = 1):
+        self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
+
+    def propose(self, context, room, temperature, generator) -> Proposal:
+        if self.num_draft <= 0:
+            return Proposal([])
+        return Proposal(ngram_lookup(context, self.max_ngram, self.min_ngram, min(self.num_draft, room)))
+
+
+class DFlashProposer:
+    """A DFlash drafter: one block [anchor, B-1 masks] per step, denoised in one drafter pass from the target
+    features of every committed token (kept in the drafter's own KV cache)."""
+
+    def __init__(self, drafter: DFlashDrafter, head: FrozenTargetHead, block_size: int | None = None):
+        self.drafter, self.head = drafter, head
+        self.layer_ids = list(drafter.target_layer_ids)
+        self.block_size = block_size or drafter.block_size
+        self.cache = DraftCache()
+        self.pending: torch.Tensor | None = None  # target features not yet in the drafter's cache
+
+    def start(self, prompt_features: torch.Tensor) -> None:
+        self.cache, self.pending = DraftCache(), prompt_features
+
+    def propose(self, context: np.ndarray, room: int, temperature: float, generator) -> Proposal:
+        device = self.head.embed_tokens.weight.device
+        size = min(self.block_size, room + 1)
+        block = torch.full((1, size), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = int(context[-1])
+        anchor_position = len(context) - 1
+        hidden = self.drafter.step(self.pending, self.head.embed(block), anchor_position, self.cache)
+        logits = self.head.logits(hidden[0, 1:]).float()
+        if temperature <= 0:
+            return Proposal(logits.argmax(-1).tolist())
+        probs = torch.softmax(logits / temperature, dim=-1)
+        drafts = torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0]
+        return Proposal(drafts.tolist(), probs)
+
+    def commit(self, features: torch.Tensor) -> None:
+        self.pending = features

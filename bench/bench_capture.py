@@ -1,6 +1,6 @@
 """Target feature capture on SmolLM2-135M at 2K-token sequences: forward hooks vs output_hidden_states.
 
-  python bench/bench_capture.py [--tokens 2048] [--dtype bfloat16] [--reps 3]
+  python bench/bench_capture.py [--tokens 2048] [--dtype bf16] [--reps 3]
 
 Variants, each in a fresh subprocess (so one variant's allocations cannot hide another's peak):
   hooks             HFCapture: decoder only, keeps the 5 chosen layers + the final norm output.
@@ -83,7 +83,7 @@ def run_variant(variant: str, tokens: int, dtype_name: str, reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()

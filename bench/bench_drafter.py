@@ -91,7 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--anchors", type=int, default=32)
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     out = {

@@ -1,4 +1,4 @@
-"""bf16 against fp32 on this machine, and what `dtype: auto` / `precision: auto` choose here.
+"""bf16 against fp32 on this machine, and what `dtype: auto` / `train.dtype: auto` choose here.
 
     python -m bench.bench_dtype [--threads 2]
 

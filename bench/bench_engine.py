@@ -92,6 +92,7 @@ def bench_prompts(n: int) -> list[dict]:
 
 
 def part_regenerate(args, tmp: Path) -> dict:
+    from common.dtypes import config_dtype_name, torch_dtype
     from data.regeneration.regenerate import regenerate
     from drafters.target.testbed import prepare_testbed_target
 
@@ -100,7 +101,8 @@ def part_regenerate(args, tmp: Path) -> dict:
     for backend in ("hf", "vllm"):
         started = time.perf_counter()
         dataset = regenerate(bench_prompts(args.prompts), target, tmp / f"regen-{backend}", batch_size=16,
-                             max_new_tokens=args.max_new_tokens, backend=backend, progress=False, dtype=args.dtype)
+                             max_new_tokens=args.max_new_tokens, backend=backend, progress=False,
+                             dtype=config_dtype_name(torch_dtype(args.dtype)))
         wall = time.perf_counter() - started
         summary = json.loads((tmp / f"regen-{backend}" / "summary.json").read_text()) \
             if (tmp / f"regen-{backend}" / "summary.json").exists() else {}
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--parts", default="serve,regenerate,capture")
     parser.add_argument("--drafter", default=None, help="a trained SmolLM2 drafter to serve as well")
-    parser.add_argument("--dtype", default="auto", help="the SmolLM2 target's dtype (auto, bfloat16, float32)")
+    parser.add_argument("--dtype", default="auto", help="the SmolLM2 target's dtype (auto, bf16, fp32)")
     args = parser.parse_args(argv)
     import torch
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = load_config("configs/testbed.yaml", [f"data.mixture.num_samples={args.num_prompts}"])
-    prompts = mixture_prompts(config)
+    prompts = mixture_prompts(config.data)
     target = prepare_testbed_target()
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16).eval()
     layers = build_target_layer_ids(model.config.num_hidden_layers, config.drafter.num_target_features)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
                 dataset = regenerate(prompts, target, Path(tmp) / "regen", batch_size=args.batch_size,
-                                     max_new_tokens=args.max_new_tokens, dtype="bfloat16",
+                                     max_new_tokens=args.max_new_tokens, dtype="bf16",
                                      max_prompt_tokens=config.data.mixture.max_prompt_tokens, progress=False,
                                      feature_layers=keep)
                 generation = time.perf_counter() - t0

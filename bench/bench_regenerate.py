@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-sizes", default="8,32")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--target", default=None, help="target folder (default: the testbed SmolLM2 target)")
     args = parser.parse_args(argv)
 

@@ -13,9 +13,9 @@ attention, alternating which goes first, so both see the same load. Baselines (`
   (drafters/target/loading.py `contiguous_head_input` undone).
 
     python -m bench.bench_target_attention --num-prompts 64 --batch-size 32 --max-new-tokens 192
-    python -m bench.bench_target_attention --baseline kernel --dtype bfloat16 --batch-size 64
-    python -m bench.bench_target_attention --baseline cache --dtype bfloat16 --batch-size 64
-    python -m bench.bench_target_attention --baseline head --dtype bfloat16 --batch-size 64
+    python -m bench.bench_target_attention --baseline kernel --dtype bf16 --batch-size 64
+    python -m bench.bench_target_attention --baseline cache --dtype bf16 --batch-size 64
+    python -m bench.bench_target_attention --baseline head --dtype bf16 --batch-size 64
 
 Prints one JSON line: per attention, generation seconds and response columns per second, and whether the two
 gave the same tokens and features.
@@ -34,7 +34,7 @@ def _batches(config, batch_size: int, tokenizer, context: int | None) -> list[li
     from data.regeneration.regenerate import regeneration_order
 
     mixture = config.data.mixture
-    ids = regeneration_order(mixture_prompts(config), tokenizer, mixture.max_prompt_tokens, mixture.max_new_tokens,
+    ids = regeneration_order(mixture_prompts(config.data), tokenizer, mixture.max_prompt_tokens, mixture.max_new_tokens,
                              context)
     return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=192)
-    parser.add_argument("--dtype", default="float32", help="the target's dtype: float32 or bfloat16")
+    parser.add_argument("--dtype", default="fp32", help="the target's dtype: fp32 or bf16")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--baseline", choices=["sdpa", "kernel", "cache", "head"], default="sdpa")
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The one table from a dtype's name in configs and on command lines to the torch dtype, and what "auto" means."""
+"""The one table from a dtype's name in configs (bf16, fp16, fp32) and on command lines to the torch dtype, and what
+"auto" means."""
 
 from __future__ import annotations
 
@@ -51,5 +52,10 @@ def torch_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> 
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (the config spelling)."""
+    """torch.bfloat16 -> "bfloat16": the engines' and transformers' spelling (configs write "bf16")."""
     return str(dtype).removeprefix("torch.")
+
+
+def config_dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bf16": the configs' spelling."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]

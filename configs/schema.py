@@ -6,6 +6,7 @@ dotted path named. Command-line overrides use dotted paths: `train.lr=3e-4 draft
 
 from __future__ import annotations
 
+import copy
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,8 +24,8 @@ class TargetConfig(Strict):
     # A local HF folder. None means the embedded testbed target (SmolLM2-135M-Instruct, converted on demand).
     path: str | None = None
     # Compute dtype of the target wherever it runs (regeneration, capture, online features). auto: bf16 on a
-    # GPU or a CPU with bf16 instructions (AVX512-BF16, AMX), else float32: emulated bf16 is ~5x slower.
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # GPU or a CPU with bf16 instructions (AVX512-BF16, AMX), else fp32: emulated bf16 is ~5x slower.
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     # HF device_map for sharding a large target over several GPUs ("auto"), or a single device ("cpu", "cuda:0").
     device_map: str | dict[str, Any] | None = None
     # The engine that runs the target, for regeneration, feature capture and the eval's engine runs
@@ -190,6 +191,10 @@ class MixtureConfig(Strict):
                              f"got {self.prefilled_weights}")
         return self
 
+    def backend(self, target: "TargetConfig") -> str:
+        """The engine that regenerates: generation_backend, else the engine block's."""
+        return self.generation_backend or target.backend
+
 
 class DataConfig(Strict):
     # A prepared dataset (datasets.save_to_disk folder with input_ids and loss_mask) to train on as is.
@@ -210,7 +215,7 @@ class DataConfig(Strict):
 class FeaturesConfig(Strict):
     # online: the target runs in the training process per batch; offline: read the feature cache.
     mode: Literal["online", "offline"] = "online"
-    cache_dtype: Literal["bf16", "fp8"] = "bf16"
+    dtype: Literal["bf16", "fp8"] = "bf16"  # of the stored features (fp8: a float32 scale per token and tensor)
     shard_tokens: int = Field(65_536, ge=1)
 
 
@@ -260,7 +265,8 @@ class TrainConfig(Strict):
     category_repeats: dict[str, Annotated[int, Field(ge=1)]] = {}
     # Anchor-slot rows per vocabulary projection chunk: bounds the live logits to chunk x vocab.
     logits_chunk: int = Field(1024, ge=1)
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # Mixed precision of the drafter's step. auto: bf16 where it is native (see target.dtype), else fp32.
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     # Torch threads per process on a CPU; None: the usable cores divided by the local processes.
     cpu_threads: int | None = Field(None, ge=1)
     seed: int = 0
@@ -300,10 +306,10 @@ class EvalConfig(Strict):
     """The eval section: every setting of eval/acceptance.py (its flags set the same keys). The run's target,
     cache and thinking switch come from the target, cache_dir and data sections."""
 
-    # Trace categories: held-out code / prose / chat prompts, and agent sessions from agentic_log.
+    # Trace categories: held-out code / prose / chat prompts, and agent sessions from eval.trajectories.
     categories: list[Literal["code", "prose", "agentic", "chat"]] = Field(["code", "prose", "agentic"], min_length=1)
-    # Held-out agent sessions (trajectory files or folders, token ids) for the agentic category.
-    agentic_log: list[str] = []
+    # Held-out agent sessions (trajectory log files or folders, token ids) for the agentic category.
+    trajectories: list[str] = []
     agentic_per_session: int = Field(1, ge=1)  # the last N requests of each session
     max_prompts: int = Field(16, ge=1)  # per category
     max_new_tokens: int = Field(128, ge=1)
@@ -312,8 +318,8 @@ class EvalConfig(Strict):
     temperature: float = Field(0.0, ge=0.0)
     # The first N prompts of each category are cross-checked with z-lab's reference decoder.
     reference_subset: int = Field(4, ge=0)
-    # Target and drafters alike; float32 keeps greedy comparisons exact, bfloat16 is faster on a CPU.
-    dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = "float32"
+    # Target and drafters alike; fp32 keeps greedy comparisons exact, bf16 is faster on a CPU.
+    dtype: Literal["fp32", "bf16"] = "fp32"
     seed: int = 0
     max_chars: int = Field(2000, ge=1)  # held-out prompt size (characters of the user message)
     lookup_max_ngram: int = Field(3, ge=1)
@@ -330,7 +336,7 @@ class EvalConfig(Strict):
 
 class RetrainEvalConfig(EvalConfig):
     """retrain.eval: the promotion gate's eval, with the eval section's keys. The gate decodes the held-out agent
-    traffic (agentic_log is set by the cycle) greedily and needs no estimate, reference decoder or warmup."""
+    traffic (eval.trajectories is set by the cycle) greedily and needs no estimate, reference decoder or warmup."""
 
     categories: list[Literal["agentic"]] = Field(["agentic"], min_length=1)
     temperature: float = Field(0.0, ge=0.0, le=0.0)  # greedy: the candidate's output is compared with the target's
@@ -349,8 +355,8 @@ class LoggingConfig(Strict):
 class RetrainConfig(Strict):
     """retraining/ (scripts/retrain.py): one continuous-retraining cycle per run (see scripts/RETRAIN.md)."""
 
-    # Folders (searched recursively) or files where new trajectory logs arrive.
-    incoming: list[str] = []
+    # Trajectory log folders (searched recursively) or files where new traffic arrives.
+    trajectories: list[str] = []
     # Cycle state (state.json), history.jsonl, versions/vNNNN/ and the `current` symlink.
     state_dir: str = "outputs/retrain"
     # Drafter folder that is "current" before the first promotion. None: a random drafter built from the
@@ -399,8 +405,16 @@ class PipelineConfig(Strict):
     retrain: RetrainConfig = RetrainConfig()
 
     @property
+    def rows_from(self) -> Literal["dataset", "mixture", "trajectories"]:
+        """Where the training rows come from, decided here only: a prepared dataset folder (data.dataset), else
+        stage 1's regenerated mixture or stage 2's logged trajectories."""
+        if self.data.dataset is not None:
+            return "dataset"
+        return "mixture" if self.train.stage == "general" else "trajectories"
+
+    @property
     def generation_backend(self) -> str:
-        return self.data.mixture.generation_backend or self.target.backend
+        return self.data.mixture.backend(self.target)
 
     @model_validator(mode="after")
     def _engines_are_installed(self) -> "PipelineConfig":
@@ -415,7 +429,7 @@ class PipelineConfig(Strict):
 
     @model_validator(mode="after")
     def _prefilled_needs_greedy_path(self) -> "PipelineConfig":
-        builds_mixture = self.train.stage == "general" and self.data.dataset is None
+        builds_mixture = self.rows_from == "mixture"
         if builds_mixture and self.data.mixture.prefilled_samples and self.train.anchor_scope != "sequence":
             raise ValueError("data.mixture.prefilled_samples > 0 needs train.anchor_scope: sequence (prefilled "
                              "responses are not the target's text and train only along its greedy path)")
@@ -433,6 +447,68 @@ class PipelineConfig(Strict):
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema; the message names the key."""
+
+
+# Keys that have moved: an old one is refused with the new one named. A checkpoint's saved settings are read
+# through the same table (migrate_settings), so that runs started before the move still resume.
+RENAMED_KEYS = {
+    "train.precision": "train.dtype",
+    "features.cache_dtype": "features.dtype",
+    "eval.agentic_log": "eval.trajectories",
+    "retrain.incoming": "retrain.trajectories",
+}
+# One spelling for every dtype setting: bf16, fp16, fp32 (and fp8, auto).
+DTYPE_KEYS = ("target.dtype", "train.dtype", "eval.dtype", "features.dtype", "retrain.export_dtypes", "retrain.eval.dtype")
+DTYPE_SPELLING = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def _get_dotted(tree: dict, dotted: str):
+    node = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _pop_dotted(tree: dict, dotted: str):
+    *parents, last = dotted.split(".")
+    node = tree
+    for key in parents:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node.pop(last) if isinstance(node, dict) and last in node else None
+
+
+def _respelled(value):
+    if isinstance(value, list):
+        return [_respelled(v) for v in value]
+    return DTYPE_SPELLING.get(value, value) if isinstance(value, str) else value
+
+
+def refuse_old_spellings(tree: dict, source: str) -> None:
+    """A moved key, or a dtype in another spelling, names what to write instead."""
+    problems = [f"config key {old!r} is now {new!r}" for old, new in RENAMED_KEYS.items()
+                if _get_dotted(tree, old) is not None]
+    for key in DTYPE_KEYS:
+        value = _get_dotted(tree, key)
+        if _respelled(value) != value:
+            problems.append(f"config key {key!r}: {value!r} is spelled {_respelled(value)!r}")
+    if problems:
+        raise ConfigError(f"invalid configuration ({source}):\n  " + "\n  ".join(problems))
+
+
+def migrate_settings(tree: dict) -> dict:
+    """Settings saved under the old keys and spellings (a checkpoint's), as they are written today."""
+    tree = copy.deepcopy(tree)
+    for old, new in RENAMED_KEYS.items():
+        value = _pop_dotted(tree, old)
+        if value is not None:
+            _set_dotted(tree, new, value)
+    for key in DTYPE_KEYS:
+        value = _get_dotted(tree, key)
+        if value is not None:
+            _set_dotted(tree, key, _respelled(value))
+    return tree
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -504,6 +580,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set_dotted(tree, key, value)
     if overrides:
         source += " + overrides " + " ".join(overrides)
+    refuse_old_spellings(tree, source)
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as err:
@@ -515,6 +592,7 @@ def with_values(config: PipelineConfig, values: dict[str, Any], source: str = "c
     tree = config.model_dump(mode="python")
     for key, value in values.items():
         _set_dotted(tree, key, value)
+    refuse_old_spellings(tree, source)
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as err:

@@ -1,7 +1,7 @@
 """Acceptance length (tau) and speed of DFlash drafters by real speculative decoding against the target.
 
     dflash-pipeline eval --drafter CKPT [--drafter name=CKPT2 ...] [--target PATH]
-        [--traces code,prose,agentic] [--agentic-log FILE_OR_DIR] [--max-prompts N] [--max-new-tokens N]
+        [--traces code,prose,agentic] [--trajectories FILE_OR_DIR] [--max-prompts N] [--max-new-tokens N]
         [--max-tokens N] [--temperature T] [--reference-subset N] [--out DIR]
         [--config YAML] [section.key=value ...]
 

@@ -146,7 +146,7 @@ def serving_check(export_dir: str | Path, config, *, engine: Engine | None = Non
     if config.eval.temperature > 0:
         raise ValueError("the serving check compares greedy outputs: temperature must be 0")
     if json.loads((export_dir / "config.json").read_text()).get("quantization_config"):
-        config = with_values(config, {"eval.dtype": "bfloat16"})  # vLLM's FP8 layers take bf16/fp16 only
+        config = with_values(config, {"eval.dtype": "bf16"})  # vLLM's FP8 layers take bf16/fp16 only
     settings = config.eval
     decoder = evaluate([f"export={export_dir}"], config, log=lambda *a, **k: None)
     truth = {(p["category"], p["id"]): p["results"]["target"]["output_ids"] for p in decoder["prompts"]}
@@ -204,9 +204,9 @@ def serving_check(export_dir: str | Path, config, *, engine: Engine | None = Non
 
 
 def serving_check_config(out: str | Path, target: str | None = None, *, categories=("code", "prose"),
-                         agentic_log: list[str] | None = None, max_prompts: int = 4, max_new_tokens: int = 64,
+                         trajectories: list[str] | None = None, max_prompts: int = 4, max_new_tokens: int = 64,
                          cache_dir: str | None = None):
     """The config of a serving check: greedy, fp32, no teacher-forced estimate, no reference decoder."""
     return PipelineConfig(cache_dir=cache_dir, target=TargetConfig(path=target), eval=EvalConfig(
-        categories=list(categories), agentic_log=list(agentic_log or []), max_prompts=max_prompts,
+        categories=list(categories), trajectories=list(trajectories or []), max_prompts=max_prompts,
         max_new_tokens=max_new_tokens, reference_subset=0, simulate=False, warmup=False, out=str(out)))

@@ -169,7 +169,7 @@ def load_trace_sets(config: PipelineConfig, target_path: Path, target_config):
             out = report_dir(config)
             out.mkdir(parents=True, exist_ok=True)
             trace_sets[category] = agentic_traces(
-                ev.agentic_log, int(text.vocab_size), max_prompts=ev.max_prompts, max_new_tokens=ev.max_new_tokens,
+                ev.trajectories, int(text.vocab_size), max_prompts=ev.max_prompts, max_new_tokens=ev.max_new_tokens,
                 max_tokens=ev.max_tokens, per_session=ev.agentic_per_session, max_positions=max_positions,
                 quarantine_path=out / "agentic_quarantine.jsonl")
             ingest = trace_sets[category].ingest or {}

@@ -136,7 +136,7 @@ def agentic_traces(paths, vocab_size: int, *, max_prompts: int, max_new_tokens: 
                    quarantine_path: str | Path | None = None) -> TraceSet:
     """Logged agent requests as prompts: the last ``per_session`` requests of each session."""
     if paths is None or (isinstance(paths, (list, tuple)) and not paths):
-        raise TraceError("category 'agentic' needs --agentic-log FILE_OR_DIR (held-out agent sessions as token ids)")
+        raise TraceError("category 'agentic' needs --trajectories FILE_OR_DIR (held-out agent sessions as token ids)")
     if per_session < 1:
         raise ValueError(f"per_session must be >= 1, got {per_session}")
     files = expand_paths(paths)  # FileNotFoundError for a missing path

@@ -119,7 +119,7 @@ def loop_config(settings: LoopSettings) -> PipelineConfig:
 def with_loop_paths(config: PipelineConfig, out: Path, v0: Path, hook: list[str]) -> PipelineConfig:
     """The loop's config with its paths filled in: what every later step reads (OUT/loop-config.yaml)."""
     return with_values(config, {
-        "retrain.incoming": [str(out / "tap-logs")], "retrain.state_dir": str(out / "state"),
+        "retrain.trajectories": [str(out / "tap-logs")], "retrain.state_dir": str(out / "state"),
         "retrain.initial_drafter": str(v0), "retrain.on_promote": hook}, source="closed loop")
 
 
@@ -269,7 +269,7 @@ def run_loop(settings: LoopSettings, log=print) -> dict:
 
         t0 = time.time()
         port = settings.server_port or free_port()
-        serve.write_spec(serve_dir, make_spec(target, engine_flags(config, target), port))
+        serve.write_spec(serve_dir, make_spec(target, engine_flags(config.target, target, config.train.seed), port))
         retrain = cli_command("retrain") + ["--config", str(config_path)]
         _run_step("bootstrap v0000 (its hook starts the server)", [*retrain, "--bootstrap"], out / "retrain.log", log,
                   ran)

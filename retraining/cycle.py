@@ -7,7 +7,7 @@
 
 Schedule the first form (cron, Kubernetes CronJob with concurrencyPolicy: Forbid). Each run is ONE cycle:
 
-1. ingest the trajectory logs (``retrain.incoming``) that arrived since the last cycle; a file is known by
+1. ingest the trajectory logs (``retrain.trajectories``) that arrived since the last cycle; a file is known by
    its absolute path + size + sha256, so a rewritten file is noticed; validation and quarantine are the
    data module's (``data.trajectory.reader.TrajectoryReader``, one quarantine file per cycle, the summary
    reconciles);
@@ -79,8 +79,8 @@ EXIT_HOOK_FAILED = 4  # the new version is current, retrain.on_promote failed: r
 def run_cycle(config: PipelineConfig, log=print) -> dict:
     """Run one retraining cycle under the state-dir lock; returns the committed history record."""
     rc = config.retrain
-    if not rc.incoming:
-        raise RetrainError("retrain.incoming lists no folder or file to read new trajectory logs from")
+    if not rc.trajectories:
+        raise RetrainError("retrain.trajectories lists no folder or file to read new trajectory logs from")
     sd = StateDir(rc.state_dir)
     with state_lock(sd):
         state = load_state(sd)
@@ -148,7 +148,7 @@ def open_cycle(config: PipelineConfig, sd: StateDir, state: dict, log) -> Cycle:
             ip = None
     if ip is None:
         t0 = time.time()
-        files = discover(config.retrain.incoming, state, sd)
+        files = discover(config.retrain.trajectories, state, sd)
         cycle.phase["discover"] = time.time() - t0
         cycle.number = state["cycle"] + 1
         if not files:
@@ -161,7 +161,7 @@ def open_cycle(config: PipelineConfig, sd: StateDir, state: dict, log) -> Cycle:
     cycle.dir.mkdir(parents=True, exist_ok=True)
     cycle.record = {
         "id": f"cycle-{cycle.number:06d}", "event": "cycle", "cycle": cycle.number, "status": None, "reason": None,
-        "started": ip["started"], "finished": None, "incoming": config.retrain.incoming, "cycle_dir": str(cycle.dir),
+        "started": ip["started"], "finished": None, "incoming": config.retrain.trajectories, "cycle_dir": str(cycle.dir),
         "current_version": current_version, "promoted_version": None, "promoted": False,
         "tau_current": None, "tau_candidate": None}
     return cycle
@@ -170,7 +170,7 @@ def open_cycle(config: PipelineConfig, sd: StateDir, state: dict, log) -> Cycle:
 def commit_no_new_data(cycle: Cycle) -> dict:
     record = {"id": f"cycle-{cycle.number:06d}", "event": "cycle", "cycle": cycle.number, "status": "no_new_data",
               "reason": "no new or rewritten log file since the last cycle", "started": now_iso(),
-              "finished": now_iso(), "incoming": cycle.config.retrain.incoming, "current_version": cycle.current_version,
+              "finished": now_iso(), "incoming": cycle.config.retrain.trajectories, "current_version": cycle.current_version,
               "promoted_version": None, "promoted": False, "tau_current": None, "tau_candidate": None,
               "files": [], "seconds": {"total": round(time.time() - cycle.started, 3)}}
     commit_cycle(cycle.config, cycle.sd, cycle.state, record, [], consume=False, log=cycle.log)

@@ -31,7 +31,7 @@ def gate_eval_config(cycle: Cycle, heldout_files: list[str], out: Path) -> Pipel
     (target.device_map: a sharded Kimi-size target stays sharded)."""
     gate_config = cycle.config.model_copy(deep=True)
     gate_config.target.path = str(cycle.target_path)
-    gate_config.eval = cycle.config.retrain.eval.model_copy(update={"agentic_log": list(heldout_files), "out": str(out)})
+    gate_config.eval = cycle.config.retrain.eval.model_copy(update={"trajectories": list(heldout_files), "out": str(out)})
     return gate_config
 
 

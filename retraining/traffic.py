@@ -17,7 +17,7 @@ def discover(incoming: list[str], state: dict, sd: StateDir) -> list[dict]:
     """Files under ``incoming`` that are not consumed yet (new, or rewritten since), with their identity."""
     missing = [p for p in incoming if not Path(p).exists()]
     if missing:
-        raise RetrainError(f"retrain.incoming path(s) {missing} do not exist")
+        raise RetrainError(f"retrain.trajectories path(s) {missing} do not exist")
     consumed = state["consumed"]
     known_hashes = {v["sha256"]: k for k, v in consumed.items()}
     out: list[dict] = []

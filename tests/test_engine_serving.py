@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
 def test_bf16_export_serves_with_the_targets_output_and_the_decoders_tau(tiny, tmp_path):
     out = tmp_path / "bf16"
     result = _run(["-m", "scripts.cli", "export", str(tiny["drafter"]), str(out), "--dtype", "bf16", "--serving-check",
-                   "--target", str(tiny["target"]), "--check-traces", "agentic", "--agentic-log", str(tiny["log"])])
+                   "--target", str(tiny["target"]), "--check-traces", "agentic", "--trajectories", str(tiny["log"])])
     assert result.returncode == 0, result.stderr[-4000:]
     check = json.loads((tmp_path / "serving-check-bf16" / "serving_check.json").read_text())
     assert check["passed"] and check["prompts"] == 3 and check["identical"] == 3 and check["mismatches"] == []
@@ -57,7 +57,7 @@ def test_fp8_export_on_this_cpu_fails_with_vllms_exact_kernel_limitation(tiny, t
     established (BENCHMARKS.md, Export); exactness in the engine is tested in fp32 (the bf16 test above)."""
     out = tmp_path / "fp8"
     result = _run(["-m", "scripts.cli", "export", str(tiny["drafter"]), str(out), "--dtype", "fp8", "--serving-check",
-                   "--target", str(tiny["target"]), "--check-traces", "agentic", "--agentic-log", str(tiny["log"])])
+                   "--target", str(tiny["target"]), "--check-traces", "agentic", "--trajectories", str(tiny["log"])])
     cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if "amx_tile" in cpu_flags:
         check = json.loads((tmp_path / "serving-check-fp8" / "serving_check.json").read_text())
@@ -75,7 +75,7 @@ def test_fp8_export_on_this_cpu_fails_with_vllms_exact_kernel_limitation(tiny, t
 def test_eval_backend_measures_drafter_and_target_alone_through_the_engine(tiny, tmp_path):
     out = tmp_path / "eval"
     result = _run(["-m", "scripts.cli", "eval", "--backend", "vllm", "--drafter", f"trained={tiny['drafter']}",
-                   "--target", str(tiny["target"]), "--traces", "agentic", "--agentic-log", str(tiny["log"]),
+                   "--target", str(tiny["target"]), "--traces", "agentic", "--trajectories", str(tiny["log"]),
                    "--max-prompts", "3", "--max-new-tokens", str(engine_testbed.NEW), "--out", str(out)])
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())

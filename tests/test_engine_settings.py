@@ -10,7 +10,7 @@ from configs.schema import ConfigError, TargetConfig, load_config
 from engines.settings import EngineSettingsError, context_length, sglang_kwargs, vllm_kwargs
 from engines.sglang.generation import EngineOutputError, response_ids, sampling_params
 
-KIMI_LIKE = TargetConfig(backend="vllm", dtype="bfloat16", tensor_parallel=8, pipeline_parallel=2, expert_parallel=True,
+KIMI_LIKE = TargetConfig(backend="vllm", dtype="bf16", tensor_parallel=8, pipeline_parallel=2, expert_parallel=True,
                          max_model_len=8192, memory_share=0.9, quantization="fp8", trust_remote_code=True)
 
 
@@ -25,7 +25,7 @@ def test_one_block_starts_vllm_and_sglang_alike():
     assert s == {"model_path": "/models/kimi", "dtype": "bfloat16", "context_length": 8192, "tp_size": 8, "pp_size": 2,
                  "ep_size": 8, "mem_fraction_static": 0.9, "trust_remote_code": True, "random_seed": 3,
                  "skip_tokenizer_init": True, "quantization": "fp8"}
-    plain = vllm_kwargs(TargetConfig(dtype="float32"), "/m", max_model_len=512)
+    plain = vllm_kwargs(TargetConfig(dtype="fp32"), "/m", max_model_len=512)
     assert "enable_expert_parallel" not in plain and "quantization" not in plain and plain["tensor_parallel_size"] == 1
 
 

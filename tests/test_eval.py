@@ -150,15 +150,15 @@ def test_bad_inputs_are_refused_before_decoding(smol, random_drafter, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(TraceError, match="no usable request"):
-        prepare([str(random_drafter)], run_config(**{**base, "categories": ["agentic"], "agentic_log": [str(empty)]}))
-    with pytest.raises(TraceError, match="needs --agentic-log"):
+        prepare([str(random_drafter)], run_config(**{**base, "categories": ["agentic"], "trajectories": [str(empty)]}))
+    with pytest.raises(TraceError, match="needs --trajectories"):
         prepare([str(random_drafter)], run_config(**{**base, "categories": ["agentic"]}))
     with pytest.raises(TraceError, match="zero prompts .*exceed --max-tokens 20"):
         prepare([str(random_drafter)], run_config(**{**base, "max_tokens": 20}))
     # Through the CLI: exit code 2, the reason on stderr, no report written.
     assert cli(["eval", "--drafter", str(deep), "--target", folder, "--traces", "code", "--out", str(tmp_path / "cli")]) == 2
     assert cli(["eval", "--drafter", str(random_drafter), "--target", folder, "--traces", "agentic",
-                 "--agentic-log", str(empty), "--out", str(tmp_path / "cli")]) == 2
+                 "--trajectories", str(empty), "--out", str(tmp_path / "cli")]) == 2
     assert not (tmp_path / "out" / "report.json").exists() and not (tmp_path / "cli" / "report.json").exists()
 
 
@@ -195,7 +195,7 @@ def test_random_drafter_end_to_end_report(smol, random_drafter, tmp_path):
         "s1": [prompt_ids(tokenizer, convo[:1]), prompt_ids(tokenizer, convo)]})
     out = tmp_path / "report"
     rc = cli(["eval", "--drafter", f"rand={random_drafter}", "--target", str(folder), "--traces", "code,agentic",
-               "--agentic-log", str(log.parent), "--max-prompts", "1", "--max-new-tokens", "24",
+               "--trajectories", str(log.parent), "--max-prompts", "1", "--max-new-tokens", "24",
                "--reference-subset", "1", "--max-chars", "500", "--out", str(out)])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
@@ -269,7 +269,7 @@ def tiny_setup(tmp_path_factory):
 
 def test_trained_drafter_tau_equals_reference(tiny_setup, tmp_path):
     target, log, drafter = tiny_setup
-    settings = run_config(target, categories=["agentic"], agentic_log=[str(log)], max_prompts=3,
+    settings = run_config(target, categories=["agentic"], trajectories=[str(log)], max_prompts=3,
                           max_new_tokens=NEW, reference_subset=3, out=str(tmp_path / "greedy"), warmup=False)
     report = evaluate([f"trained={drafter}"], settings, log=lambda *a, **k: None)
     m = report["categories"]["agentic"]["methods"]["trained"]
@@ -303,8 +303,8 @@ def test_sharded_bf16_target_decodes_like_one_device(tiny_setup, tmp_path):
     """bf16 target dispatched by a device_map (half its layers paged in from disk, accelerate's hooks): the same
     tokens and acceptance lengths as the whole bf16 target on one device."""
     target, log, drafter = tiny_setup
-    base = dict(target=target, categories=["agentic"], agentic_log=[str(log)], max_prompts=3, max_new_tokens=NEW,
-                reference_subset=0, dtype="bfloat16", warmup=False)
+    base = dict(target=target, categories=["agentic"], trajectories=[str(log)], max_prompts=3, max_new_tokens=NEW,
+                reference_subset=0, dtype="bf16", warmup=False)
     whole = evaluate([f"trained={drafter}"], run_config(**base, out=str(tmp_path / "whole")), log=lambda *a, **k: None)
     layers = {f"model.layers.{i}": "cpu" if i < 4 else "disk" for i in range(8)}
     device_map = {"model.embed_tokens": "cpu", **layers, "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}

@@ -384,7 +384,7 @@ def test_reader_refuses_a_cache_built_for_another_dataset(capture, rows, tmp_pat
 def test_fp8_costs_about_half_the_bytes_per_token(capture, rows, tmp_path):
     from configs.schema import FeaturesConfig
 
-    assert feature_cache_kwargs(FeaturesConfig(mode="offline", cache_dtype="fp8")) == {"dtype": "fp8", "shard_tokens": 65_536}
+    assert feature_cache_kwargs(FeaturesConfig(mode="offline", dtype="fp8")) == {"dtype": "fp8", "shard_tokens": 65_536}
     ds = make_dataset(rows)
     size = {}
     for dtype in ("bf16", "fp8"):

@@ -40,7 +40,7 @@ def _args(workspace: Path, out: Path, grad_accum: int) -> list[str]:
         "drafter.mask_token_id=3", "drafter.num_layers=1", "drafter.num_target_features=2",
         f"train.batch_size={BATCH}", f"train.grad_accum={grad_accum}", f"train.epochs={EPOCHS}", "train.max_steps=null",
         "train.anchors_per_seq=4", "train.lr=5e-3", "train.warmup_ratio=0", "train.save_every=100",
-        "train.log_every=1", "train.precision=fp32", "train.trust_checkpoint_pickles=true", "logging.wandb=false",
+        "train.log_every=1", "train.dtype=fp32", "train.trust_checkpoint_pickles=true", "logging.wandb=false",
     ]
 
 

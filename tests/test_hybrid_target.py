@@ -97,7 +97,7 @@ def test_training_runs_on_the_hybrid_target(target, tmp_path):
             f"output_dir={tmp_path / mode}", f"target.path={folder}", f"data.dataset={tmp_path / 'data'}",
             f"cache_dir={tmp_path / 'cache'}", f"features.mode={mode}", f"drafter.mask_token_id={VOCAB - 1}",
             "drafter.num_layers=1", "drafter.num_target_features=2", "train.batch_size=2", "train.anchors_per_seq=4",
-            "train.max_steps=2", "train.precision=fp32", "logging.wandb=false",
+            "train.max_steps=2", "train.dtype=fp32", "logging.wandb=false",
         ], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / mode / "checkpoints" / "step-000002" / "drafter" / "model.safetensors").exists()

@@ -7,13 +7,17 @@ from drafters.target.chat import load_tokenizer
 from data.sources.mixture import mixture_key, prefilled_rows
 
 
+def _key(config, target):
+    return mixture_key(config.data, config.target, target)
+
+
 def _config(*overrides):
     return load_config(None, ["train.anchor_scope=sequence", "data.mixture.prefilled_samples=6", *overrides])
 
 
 def test_prefilled_samples_restate_the_prompt_code(testbed_target):
     tokenizer = load_tokenizer(testbed_target)
-    rows = prefilled_rows(_config(), tokenizer)
+    rows = prefilled_rows(_config().data, tokenizer)
     assert len(rows) == 6
     for row in rows:
         n = row["num_prompt_tokens"]
@@ -28,7 +32,7 @@ def test_prefilled_samples_restate_the_prompt_code(testbed_target):
 
 def test_prefilled_prose_samples_restate_the_prompt_excerpt(testbed_target):
     tokenizer = load_tokenizer(testbed_target)
-    rows = prefilled_rows(_config("data.mixture.prefilled_weights={code: 1, prose: 2}"), tokenizer)
+    rows = prefilled_rows(_config("data.mixture.prefilled_weights={code: 1, prose: 2}").data, tokenizer)
     assert [row["category"] for row in rows] == ["code"] * 2 + ["prose"] * 4
     for row in rows[2:]:
         n = row["num_prompt_tokens"]
@@ -40,16 +44,16 @@ def test_prefilled_prose_samples_restate_the_prompt_excerpt(testbed_target):
 def test_prefilled_samples_need_greedy_path_training_and_leave_the_regeneration_cache_key(testbed_target):
     with pytest.raises(ConfigError, match="anchor_scope"):
         load_config(None, ["data.mixture.prefilled_samples=6"])
-    assert mixture_key(_config(), testbed_target) == mixture_key(load_config(None, []), testbed_target)
+    assert _key(_config(), testbed_target) == _key(load_config(None, []), testbed_target)
     prose = _config("data.mixture.prefilled_weights={prose: 1}")
-    assert mixture_key(prose, testbed_target) == mixture_key(load_config(None, []), testbed_target)
+    assert _key(prose, testbed_target) == _key(load_config(None, []), testbed_target)
     with pytest.raises(ConfigError, match="prefilled_weights"):
         _config("data.mixture.prefilled_weights={code: 0}")
 
 
 def test_the_regeneration_cache_key_follows_the_target_compute_dtype(testbed_target):
-    bf16, fp32 = (mixture_key(load_config(None, [f"target.dtype={d}"]), testbed_target) for d in ("bfloat16", "float32"))
+    bf16, fp32 = (_key(load_config(None, [f"target.dtype={d}"]), testbed_target) for d in ("bf16", "fp32"))
     assert bf16 != fp32  # greedy text differs between dtypes at near-ties
-    auto = mixture_key(load_config(None, ["target.dtype=auto"]), testbed_target)
+    auto = _key(load_config(None, ["target.dtype=auto"]), testbed_target)
     from common.dtypes import native_bf16
     assert auto == (bf16 if native_bf16("cpu") else fp32)

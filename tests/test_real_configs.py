@@ -43,7 +43,7 @@ def test_each_config_of_the_set_resolves_against_the_target_shapes(name, stage):
     assert config.target.trust_remote_code and config.target.feature_backend == "vllm"
     engine = vllm_kwargs(config.target, shapes, max_model_len=config.data.max_seq_len)
     assert engine["tensor_parallel_size"] == 8 and engine["enable_expert_parallel"]
-    assert config.features.mode == "offline" and config.features.cache_dtype == "fp8"
+    assert config.features.mode == "offline" and config.features.dtype == "fp8"
 
     if stage == "":
         assert config.train.stage == "general" and config.train.trust_checkpoint_pickles
@@ -54,7 +54,7 @@ def test_each_config_of_the_set_resolves_against_the_target_shapes(name, stage):
         assert config.train.init_from == load_config(REPO / "configs" / f"{name}.yaml",
                                                      [f"target.path={shapes}"]).output_dir
     if stage == "-retrain":
-        assert config.retrain.incoming and config.retrain.serving_check and "fp8" in config.retrain.export_dtypes
+        assert config.retrain.trajectories and config.retrain.serving_check and "fp8" in config.retrain.export_dtypes
         assert config.retrain.initial_drafter == load_config(REPO / "configs" / f"{name}-finetune.yaml",
                                                              [f"target.path={shapes}"]).output_dir
 

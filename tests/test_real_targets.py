@@ -237,7 +237,7 @@ def _train(kimi_folder: Path, data: Path, out: Path, *extra: str) -> subprocess.
         sys.executable, str(REPO / "train" / "dflash.py"), "--config", str(REPO / "configs" / "testbed.yaml"),
         f"output_dir={out}", f"target.path={kimi_folder}", f"data.dataset={data}", "drafter.num_layers=1",
         "drafter.num_target_features=2", "train.batch_size=2", "train.anchors_per_seq=4", "train.max_steps=2",
-        "train.precision=fp32", "logging.wandb=false", *extra,
+        "train.dtype=fp32", "logging.wandb=false", *extra,
     ], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

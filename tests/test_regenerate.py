@@ -55,7 +55,7 @@ def tokenizer(target):
 def fp32_run(target, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp32")
     ds = regenerate(PROMPTS, target, out, batch_size=4, max_new_tokens=NEW, max_prompt_tokens=MAX_PROMPT,
-                    dtype="float32", progress=False)
+                    dtype="fp32", progress=False)
     return out, ds
 
 
@@ -123,7 +123,7 @@ def test_batched_fp32_equals_unbatched_greedy_and_quarantine(fp32_run, target, t
 def test_bf16_batch_of_one_equals_unbatched_greedy(target, tokenizer, tmp_path):
     # In bf16, batched left-padded generation may legitimately differ from unbatched at near-ties, so
     # bf16 equality is checked with batch_size=1; fp32 batched equality is checked above.
-    ds = regenerate(PROMPTS, target, tmp_path, batch_size=1, max_new_tokens=NEW, max_prompt_tokens=MAX_PROMPT, dtype="bfloat16",
+    ds = regenerate(PROMPTS, target, tmp_path, batch_size=1, max_new_tokens=NEW, max_prompt_tokens=MAX_PROMPT, dtype="bf16",
                     progress=False)
     assert ds["prompt_id"] == VALID_IDS
     _check_rows_against_unbatched(ds, target, tokenizer, torch.bfloat16)
@@ -152,7 +152,7 @@ def test_interrupted_run_resumes_to_identical_dataset(target, tmp_path):
 
 def test_subset_then_full_skips_done_prompts(fp32_run, target, tmp_path):
     _, reference = fp32_run
-    kwargs = dict(batch_size=4, max_new_tokens=NEW, max_prompt_tokens=MAX_PROMPT, dtype="float32", progress=False)
+    kwargs = dict(batch_size=4, max_new_tokens=NEW, max_prompt_tokens=MAX_PROMPT, dtype="fp32", progress=False)
     first = regenerate(PROMPTS[:2], target, tmp_path, **kwargs)
     assert first["prompt_id"] == ["capital", "code"]
     full = regenerate(PROMPTS, target, tmp_path, **kwargs)

@@ -34,7 +34,7 @@ def model(testbed_target):
 @pytest.fixture(scope="module")
 def regenerated(testbed_target, tmp_path_factory):
     out = tmp_path_factory.mktemp("regen")
-    dataset = regenerate(PROMPTS, testbed_target, out, batch_size=3, max_new_tokens=24, dtype="float32",
+    dataset = regenerate(PROMPTS, testbed_target, out, batch_size=3, max_new_tokens=24, dtype="fp32",
                          progress=False, feature_layers=LAYERS)
     return out, dataset
 
@@ -95,7 +95,7 @@ def test_greedy_choices_of_regenerated_responses_are_read_not_projected_again(re
 
     out, dataset = regenerated
     known = RegeneratedFeatures(features_dir(out, LAYERS))
-    spans = greedy_response_spans(load_config(None), dataset)
+    spans = greedy_response_spans(load_config(None).data.mixture, dataset)
     assert spans == [(p - 1, p + g - 1) for p, g in zip(dataset["num_prompt_tokens"], dataset["num_generated"])]
     head = model.lm_head.weight.detach()
     read, projected = TargetChoices(head, 16, next_token_spans=spans), TargetChoices(head, 16)
@@ -108,5 +108,4 @@ def test_greedy_choices_of_regenerated_responses_are_read_not_projected_again(re
     assert projected.projected_positions == total
     assert read.projected_positions == total - sum(dataset["num_generated"])  # the prompt but its last position, and the last
     # A sampled regeneration, a prepared dataset or stage 2 holds text the target did not choose greedily.
-    assert greedy_response_spans(load_config(None, ["data.mixture.temperature=0.7"]), dataset) is None
-    assert greedy_response_spans(load_config(None, ["train.stage=finetune"]), dataset) is None
+    assert greedy_response_spans(load_config(None, ["data.mixture.temperature=0.7"]).data.mixture, dataset) is None

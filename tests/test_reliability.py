@@ -38,7 +38,7 @@ def _train_args(workspace: Path, out: Path, *extra: str, target: Path | None = N
             f"target.path={target or workspace / 'target'}", f"data.dataset={workspace / 'data'}",
             f"cache_dir={workspace / 'cache'}", "drafter.mask_token_id=3", "drafter.num_layers=1",
             "drafter.num_target_features=3", "train.batch_size=2", "train.anchors_per_seq=4", "train.max_steps=4",
-            "train.save_every=2", "train.log_every=1", "train.precision=fp32", "logging.wandb=false", *extra]
+            "train.save_every=2", "train.log_every=1", "train.dtype=fp32", "logging.wandb=false", *extra]
 
 
 def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

@@ -54,7 +54,7 @@ def _env() -> dict:
 
 def overrides(target: Path, state: Path, incoming: list[Path], *extra: str) -> list[str]:
     return [f"target.path={target}", f"retrain.state_dir={state}",
-            "retrain.incoming=[" + ", ".join(str(p) for p in incoming) + "]",
+            "retrain.trajectories=[" + ", ".join(str(p) for p in incoming) + "]",
             "logging.wandb=false", "retrain.heldout_fraction=0.34", "retrain.eval.max_prompts=2",
             "retrain.eval.agentic_per_session=2", "retrain.eval.max_new_tokens=32",
             "train.max_steps=10", "train.save_every=5", f"data.max_record_bytes={MAX_RECORD_BYTES}", *extra]
@@ -121,7 +121,7 @@ def traffic(target, tmp_path_factory):
                                                               GENERATION_PROMPT[:-5] + prefill + "' }}")
             config = SimConfig(sessions=3, split="train", seed=seed, turns=3, subagent_share=0.5, subagents=1,
                                sub_turns=2, max_new_tokens=32, summary_tokens=8, tool_tokens=32, context_cap=1024,
-                               batch_size=8, dtype="float32", system_prompt=SYSTEM,
+                               batch_size=8, dtype="fp32", system_prompt=SYSTEM,
                                name=f"traffic-seed{seed}" + ("-prefilled" if prefill else ""))
             made[(seed, prefill)] = simulate(config, root / f"{seed}-{bool(prefill)}", target, model=model,
                                              tokenizer=tok, num_threads=1, progress=False).path

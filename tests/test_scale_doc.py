@@ -34,7 +34,7 @@ def test_scale_doc_matches_code_and_configs(config_file):
     tokens = config.data.mixture.num_samples * config.data.max_seq_len
     _in_doc(f"**{round(tokens * bf16 / 1e12)} TB**")
     _in_doc(f"**{round(tokens * fp8 / 1e12)} TB**")
-    assert config.features.mode == "offline" and config.features.cache_dtype == "fp8"  # the doc's recommendation
+    assert config.features.mode == "offline" and config.features.dtype == "fp8"  # the doc's recommendation
 
     draft = build_draft_config(config.drafter, target, 163_000)
     with torch.device("meta"):

@@ -32,7 +32,7 @@ THREADS = 1  # the CPU is shared: one torch thread avoids stalls when the other 
 def tiny(**kw) -> SimConfig:
     base = dict(sessions=2, split="train", seed=0, turns=3, subagent_share=1.0, subagents=1, sub_turns=2,
                 max_new_tokens=6, summary_tokens=6, tool_tokens=32, context_cap=200, batch_size=8,
-                dtype="float32", system_prompt=SYSTEM)
+                dtype="fp32", system_prompt=SYSTEM)
     base.update(kw)
     return SimConfig(**base)
 
@@ -210,7 +210,7 @@ def test_same_seed_same_log_and_train_heldout_disjoint(target, tokenizer, tmp_pa
     # bf16 (the default dtype), 1 session x 3 turns x 4 new tokens.
     bf16 = _load(target, torch.bfloat16)
     cfg = dict(sessions=1, turns=3, subagent_share=0.0, max_new_tokens=4, tool_tokens=32, context_cap=400,
-               dtype="bfloat16")
+               dtype="bf16")
     a, b = (simulate(tiny(**cfg), tmp_path / d, target, model=bf16, tokenizer=tokenizer, num_threads=THREADS,
                      progress=False) for d in "ab")
     assert _content(a.path) == _content(b.path)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from configs.schema import load_config
 from drafters.drafter.checkpoint import load_drafter
 from drafters.target.testbed import save_tiny_target
-from train.checkpointing import list_checkpoints, pickle_files, read_trainer_state
+from train.checkpointing import RUN_CONFIG, list_checkpoints, pickle_files, read_trainer_state
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = load_config(REPO / "configs" / "testbed.yaml").drafter.block_size  # every run here trains from that config
@@ -46,7 +46,7 @@ def _args(workspace: Path, out: Path, *extra: str) -> list[str]:
         f"output_dir={out}", f"target.path={workspace / 'target'}", f"data.dataset={workspace / 'data'}",
         "drafter.mask_token_id=3", "drafter.num_layers=1", "drafter.num_target_features=3",
         "train.batch_size=2", "train.anchors_per_seq=4", "train.max_steps=6", "train.save_every=2",
-        "train.keep_last=2", "train.log_every=1", "train.precision=fp32", "logging.wandb=false", *extra,
+        "train.keep_last=2", "train.log_every=1", "train.dtype=fp32", "logging.wandb=false", *extra,
     ]
 
 
@@ -254,7 +254,7 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
     stage2_args = ["--config", str(REPO / "configs" / "testbed-finetune.yaml"),
                    f"output_dir={out}", f"target.path={workspace / 'target'}", f"data.trajectories=[{log}]",
                    f"train.init_from={reference_run}", f"cache_dir={workspace / 'cache'}", "train.max_steps=2",
-                   "train.batch_size=2", "train.anchors_per_seq=4", "train.precision=fp32", "logging.wandb=false"]
+                   "train.batch_size=2", "train.anchors_per_seq=4", "train.dtype=fp32", "logging.wandb=false"]
     # The prepare stage owns the data: the prefix-tree dataset with its manifest, then the feature cache.
     prepared = _run([sys.executable, "-m", "scripts.cli", "prepare", *stage2_args])
     assert prepared.returncode == 0, prepared.stderr[-3000:]
@@ -337,6 +337,30 @@ def test_resume_refuses_a_planted_pickle_and_stays_bit_identical(workspace, refe
     assert not marker.exists()
     expected, resumed = _final_weights(reference_run), _final_weights(out)
     assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
+
+
+def test_a_checkpoint_saved_under_the_old_keys_and_spellings_resumes(workspace, reference_run, tmp_path):
+    """Settings saved before keys moved (train.precision, features.cache_dtype, eval.agentic_log, retrain.incoming)
+    and before dtypes had one spelling (float32) still mean the same run: it resumes, bit-identical; the same
+    keys on the command line are refused with the new key named."""
+    out = _resumable_copy(reference_run, tmp_path / "run")
+    for checkpoint in list_checkpoints(out):
+        saved = json.loads((checkpoint / RUN_CONFIG).read_text())
+        saved["train"]["precision"] = {"fp32": "float32"}.get(saved["train"].pop("dtype"), "auto")
+        saved["features"]["cache_dtype"] = saved["features"].pop("dtype")
+        saved["eval"]["agentic_log"] = saved["eval"].pop("trajectories")
+        saved["retrain"]["incoming"] = saved["retrain"].pop("trajectories")
+        saved["eval"]["dtype"] = "float32"
+        (checkpoint / RUN_CONFIG).write_text(json.dumps(saved))
+    result = _run([sys.executable, str(TRAIN), *_args(workspace, out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout + result.stderr and "differ" not in result.stderr
+    expected, resumed = _final_weights(reference_run), _final_weights(out)
+    assert all(torch.equal(expected[k], resumed[k]) for k in expected)
+    old = _run([sys.executable, str(TRAIN), *_args(workspace, tmp_path / "new", "train.precision=fp32",
+                                                   "target.dtype=float32")])
+    assert old.returncode == 2 and "'train.precision' is now 'train.dtype'" in old.stderr, old.stderr[-3000:]
+    assert "'target.dtype': 'float32' is spelled 'fp32'" in old.stderr
 
 
 def test_resume_refuses_changed_settings_and_names_them(workspace, reference_run, tmp_path):

@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 
 from common.atomic_files import replace_folder
-from configs.schema import ConfigError, PipelineConfig
+from configs.schema import ConfigError, PipelineConfig, migrate_settings
 from drafters.drafter.checkpoint import (  # noqa: F401  (the layout)
     STEP_DIR,
     checkpoints_dir,
@@ -285,6 +285,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 def config_drift(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     """(dotted key, saved value, current value) for every setting that differs."""
+    saved = migrate_settings(saved)  # keys moved or respelled since the checkpoint was written
     try:  # settings added to the schema since the checkpoint was written take their defaults
         saved = PipelineConfig.model_validate(saved).model_dump(mode="json")
     except ValueError:

@@ -82,8 +82,7 @@ def cache_layout(config: PipelineConfig) -> str:
     prefix token once, rows bounded by data.max_seq_len) for the in-process target, except on the
     regenerated stage-1 mixture, whose features regeneration kept per row ("rows"); "rows" for the engine,
     which has no KV-cache continuation."""
-    builds_mixture = config.data.dataset is None and config.train.stage == "general"
-    return "rows" if config.target.feature_backend != "hf" or builds_mixture else "tree"
+    return "rows" if config.target.feature_backend != "hf" or config.rows_from == "mixture" else "tree"
 
 
 def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_fingerprint: str, layer_ids: list[int],
@@ -98,7 +97,7 @@ def feature_cache_dir(cache_root: Path, dataset_fingerprint: str, target_fingerp
 def config_cache_dir(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], cache_root: Path) -> Path:
     """The cache folder of this config and dataset (training and the capture job agree on it)."""
     return feature_cache_dir(cache_root, dataset_fingerprint(dataset), target_fingerprint(target_path, config.target.fingerprint),
-                             layer_ids, config.features.cache_dtype,
+                             layer_ids, config.features.dtype,
                              cache_layout(config), config.data.max_seq_len)
 
 
@@ -129,7 +128,7 @@ def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, la
     else:
         known = None
     where = f" rank {rank}/{world_size}" if world_size > 1 else ""
-    log(f"[features]{where} offline cache ({config.features.cache_dtype}, {layout}) -> {out_dir}")
+    log(f"[features]{where} offline cache ({config.features.dtype}, {layout}) -> {out_dir}")
     common = dict(max_seq_len=config.data.max_seq_len, rank=rank, world_size=world_size,
                   **feature_cache_kwargs(config.features))
     if layout == "tree":
@@ -176,10 +175,10 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
 
 def _regenerated(config: PipelineConfig, target_path: Path, layer_ids: list[int], cache_root: Path):
     """Features the mixture's regeneration kept (stage 1 on the general mixture only)."""
-    if config.data.dataset is not None or config.train.stage != "general":
+    if config.rows_from != "mixture":
         return None
 
-    return regenerated_features(config, target_path, cache_root, layer_ids)
+    return regenerated_features(config.data, config.target, target_path, cache_root, layer_ids)
 
 
 class TargetChoices:

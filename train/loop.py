@@ -93,7 +93,7 @@ def git_revision() -> str:
 
 
 def mixed_precision(config: PipelineConfig) -> str:
-    choice = config.train.precision
+    choice = config.train.dtype
     if choice == "auto":
         # bf16 where the hardware multiplies it natively (GPUs, CPUs with AVX512-BF16 or AMX: ~3x faster than
         # fp32); an AVX2 CPU emulates it about 5x slower than fp32.
@@ -304,7 +304,8 @@ class Objective:
         needs_choices = tc.anchor_scope == "sequence" or tc.loss == "ce_target"
         choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk, store=choices_store(features_of),
                                    num_rows=len(dataset), writes=accelerator.is_main_process,
-                                   next_token_spans=greedy_response_spans(config, dataset)) if needs_choices else None
+                                   next_token_spans=(greedy_response_spans(config.data.mixture, dataset)
+                                                     if config.rows_from == "mixture" else None)) if needs_choices else None
         if choices_of is not None and choices_of.loaded:
             log(f"[train] the target's greedy choices of every row read from {choices_of.store}")
         head_vocab = training_head(head.lm_head.weight, tc.head_vocab, log, lambda: emitted_token_counts(

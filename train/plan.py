@@ -258,9 +258,9 @@ def resolve_launch(config_path=None, processes: int | None = None, accelerate_co
 
 def training_precision(config: PipelineConfig, hardware: Hardware) -> str:
     """bf16 or fp32, as train/dflash.py's mixed_precision picks it on that hardware."""
-    if config.train.precision == "auto":
+    if config.train.dtype == "auto":
         return "bf16" if hardware.name != "CPU" or native_bf16("cpu") else "fp32"
-    return config.train.precision
+    return config.train.dtype
 
 
 def weights_regime(precision: str, launch: Launch) -> str:
@@ -519,7 +519,7 @@ class Plan:
 def dataset_tokens(config: PipelineConfig) -> dict:
     """Sequences and tokens of the training data, at most (None where the data decides: stage 2's trajectories)."""
     mix, T = config.data.mixture, config.data.max_seq_len
-    if config.train.stage != "general" or config.data.dataset is not None:
+    if config.rows_from != "mixture":
         return {"sequences": None, "tokens": None, "output_tokens": 0, "captured_tokens": None,
                 "bound": "unknown before the data is read (stage 2 or a prepared dataset)"}
     regenerated = mix.num_samples * min(T, mix.max_prompt_tokens + mix.max_new_tokens)
@@ -630,7 +630,7 @@ def build_plan(config: PipelineConfig, config_path=None, *, processes: int | Non
                                 "context": shapes.context, "supervised_rows": shapes.supervised_rows,
                                 "logits_chunk_rows": min(tc.logits_chunk, shapes.supervised_rows),
                                 "head_rows": shapes.head_rows}},
-        features={"mode": config.features.mode, "cache_dtype": config.features.cache_dtype,
+        features={"mode": config.features.mode, "cache_dtype": config.features.dtype,
                   "bytes_per_token": per_token, **data, "dataset_bytes": dataset_bytes},
         time={**times, "steps": steps, "sequences_per_step": per_step, "step_flops": micro_flops * tc.grad_accum,
               "step_flops_parts": flops},

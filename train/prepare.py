@@ -68,11 +68,11 @@ def prepare(config: PipelineConfig) -> dict:
 
 def dataset_manifest(config: PipelineConfig, target_path: Path, cache: Path) -> dict:
     """The manifest of the dataset this config trains on."""
-    if config.data.dataset is not None:
+    if config.rows_from == "dataset":
         return {"kind": "dflash-dataset", "path": str(config.data.dataset)}
-    if config.train.stage == "general":
-        return json.loads((mixture.mixture_dir(config, target_path, cache) / mixture.MANIFEST).read_text())
-    folder = trajectory_data.trajectory_dataset_dir(config, target_path, cache)
+    if config.rows_from == "mixture":
+        return json.loads((mixture.mixture_dir(config.data, config.target, target_path, cache) / mixture.MANIFEST).read_text())
+    folder = trajectory_data.trajectory_dataset_dir(config.data, config.target, target_path, cache)
     return json.loads((folder / trajectory_data.MANIFEST).read_text())
 
 

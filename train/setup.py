@@ -73,16 +73,18 @@ def training_dataset(config: PipelineConfig, target_path: Path, accelerator, lay
 
     layer_ids: the drafter's target layers; with the offline feature cache, regeneration keeps their
     features so that the cache does not run the target over regenerated tokens again."""
-    if config.data.dataset is not None:
+    if config.rows_from == "dataset":
         path = Path(config.data.dataset)
         if not path.exists():
             raise ValueError(f"data.dataset {path} does not exist")
         return load_from_disk(str(path))
-    if config.train.stage == "general":
+    if config.rows_from == "mixture":
         # Features kept while regenerating: the in-process target's forwards (hf regeneration, hf capture).
         keep = (layer_ids if config.features.mode == "offline" and config.target.feature_backend == "hf"
                 and config.generation_backend == "hf" else None)
         # Every process regenerates its share of the prompts (a single one: all of them).
-        return build_mixture(config, target_path, cache_root(config), feature_layers=keep, ranks=accelerator)
+        return build_mixture(config.data, config.target, target_path, cache_root(config), feature_layers=keep,
+                             ranks=accelerator)
     with accelerator.main_process_first():
-        return build_trajectory_dataset(config, target_path, cache_root(config))
+        return build_trajectory_dataset(config.data, config.target, target_path, cache_root(config),
+                                    report_dir=Path(config.output_dir))

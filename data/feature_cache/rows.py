@@ -14,7 +14,7 @@ from data.feature_cache.store import CacheWriteResult, ShardWriter, make_header
 
 def feature_cache_kwargs(features_config) -> dict[str, Any]:
     """``write_*_feature_cache`` keyword arguments from a ``configs.schema.FeaturesConfig``."""
-    return {"dtype": features_config.cache_dtype, "shard_tokens": int(features_config.shard_tokens)}
+    return {"dtype": features_config.dtype, "shard_tokens": int(features_config.shard_tokens)}
 
 
 def dataset_header(dataset_lengths: np.ndarray, fingerprint: str, max_seq_len: int | None) -> dict:

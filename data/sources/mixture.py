@@ -24,7 +24,7 @@ from datasets import Dataset, concatenate_datasets
 
 from common.atomic_files import write_text_atomic
 from common.dtypes import dtype_name, torch_dtype
-from configs.schema import PipelineConfig
+from configs.schema import DataConfig, MixtureConfig, TargetConfig
 from data.feature_cache.regenerated import RegeneratedFeatures, features_dir
 from data.regeneration.regenerate import load_regenerated, read_quarantine, regenerate
 from data.sources.builtin import iter_prompts
@@ -68,11 +68,11 @@ class DrawnPrompts:
     every_turn: set[str] = field(default_factory=set)  # sources whose later user turns are answered in rounds
 
 
-def draw_prompts(config: PipelineConfig, split: str = "train") -> DrawnPrompts:
+def draw_prompts(data: DataConfig, split: str = "train") -> DrawnPrompts:
     """num_samples prompts over data.mixture's sources by weight (largest remainder), each source's share
     capped by its limit. A source that gives fewer than its share is refused, before any regeneration,
     unless data.mixture.accept_fewer."""
-    mixture = config.data.mixture
+    mixture = data.mixture
     max_chars = mixture.max_prompt_tokens * CHARS_PER_TOKEN
     sources = mixture.source_list
     shares = category_counts({s.source_name: s.weight for s in sources}, mixture.num_samples)
@@ -82,7 +82,7 @@ def draw_prompts(config: PipelineConfig, split: str = "train") -> DrawnPrompts:
         want = min(share, source.limit) if source.limit else share
         entry = {"name": name, "category": source.source_category, "weight": source.weight, "share": share}
         if source.builtin:
-            stream = iter_prompts(source.builtin, split, seed=config.data.seed, max_chars=max_chars,
+            stream = iter_prompts(source.builtin, split, seed=data.seed, max_chars=max_chars,
                                   heldout_fraction=mixture.heldout_fraction, passes=None)
             prompts = list(islice(stream, want))
             entry.update(builtin=source.builtin, drawn=len(prompts))
@@ -90,7 +90,7 @@ def draw_prompts(config: PipelineConfig, split: str = "train") -> DrawnPrompts:
             read = read_source(name, source.path, source.format, source.source_category, split=split,
                                heldout_fraction=mixture.heldout_fraction, max_chars=max_chars, turns=source.turns,
                                seen=seen)
-            prompts = sample(read.prompts, want, config.data.seed)
+            prompts = sample(read.prompts, want, data.seed)
             entry.update(path=str(source.path), format=source.format, turns=source.turns, drawn=len(prompts),
                          content_sha256=source_content_hash(source.path), read=read.read,
                          accepted=len(read.prompts) + read.heldout, in_split=len(read.prompts), other_split=read.heldout,
@@ -113,8 +113,8 @@ def draw_prompts(config: PipelineConfig, split: str = "train") -> DrawnPrompts:
     return drawn
 
 
-def mixture_prompts(config: PipelineConfig, split: str = "train") -> list:
-    return draw_prompts(config, split).prompts
+def mixture_prompts(data: DataConfig, split: str = "train") -> list:
+    return draw_prompts(data, split).prompts
 
 
 def _restated(prompt) -> str:
@@ -126,14 +126,14 @@ def _restated(prompt) -> str:
     return content.partition("\n\n")[2]
 
 
-def prefilled_rows(config: PipelineConfig, tokenizer) -> list[dict]:
+def prefilled_rows(data: DataConfig, tokenizer) -> list[dict]:
     """Code and prose prompts (train split, drawn with their own seed, apart from the regenerated ones)
     answered by restating their code or excerpt; rows shaped like the regenerated dataset's, with
     num_generated 0 (the target wrote none)."""
-    mixture = config.data.mixture
+    mixture = data.mixture
     rows = []
     for category, count in category_counts(mixture.prefilled_weights, mixture.prefilled_samples).items():
-        stream = iter_prompts(category, "train", seed=config.data.seed + 1, max_chars=mixture.max_prompt_tokens * CHARS_PER_TOKEN,
+        stream = iter_prompts(category, "train", seed=data.seed + 1, max_chars=mixture.max_prompt_tokens * CHARS_PER_TOKEN,
                               heldout_fraction=mixture.heldout_fraction, passes=None)
         for prompt in islice(stream, count):
             ids = prompt_ids(tokenizer, prompt.messages)
@@ -144,49 +144,51 @@ def prefilled_rows(config: PipelineConfig, tokenizer) -> list[dict]:
     return rows
 
 
-def mixture_key(config: PipelineConfig, target_path: Path) -> str:
+def mixture_key(data: DataConfig, target: TargetConfig, target_path: Path) -> str:
     # Settings that do not change the regenerated text stay out of the key (hf: caches made before the
     # backend setting existed keep their key).
 
-    mixture = config.data.mixture
+    mixture = data.mixture
     ignored = {"prefilled_samples", "prefilled_weights", "accept_fewer", "generation_backend"}
-    settings = {"mixture": mixture.model_dump(mode="json", exclude=ignored), "seed": config.data.seed,
-                "target": target_fingerprint(target_path, config.target.fingerprint)}  # its content, not its path
-    if config.generation_backend != "hf":  # engines round differently from transformers
-        settings["backend"] = config.generation_backend
+    settings = {"mixture": mixture.model_dump(mode="json", exclude=ignored), "seed": data.seed,
+                "target": target_fingerprint(target_path, target.fingerprint)}  # its content, not its path
+    if data.mixture.backend(target) != "hf":  # engines round differently from transformers
+        settings["backend"] = data.mixture.backend(target)
     files = {s.source_name: source_content_hash(s.path) for s in mixture.sources if s.path}
     if files:  # the user's prompt files by content: an edited file is a new mixture
         settings["source_content"] = files
-    compute_dtype = dtype_name(torch_dtype(config.target.dtype))
+    compute_dtype = dtype_name(torch_dtype(target.dtype))
     if compute_dtype != "bfloat16":  # greedy text differs between dtypes at near-ties; bf16 caches keep their key
         settings["target_dtype"] = compute_dtype
-    if config.data.thinking is not None:  # unset: caches made before the setting existed keep their key
-        settings["thinking"] = config.data.thinking
+    if data.thinking is not None:  # unset: caches made before the setting existed keep their key
+        settings["thinking"] = data.thinking
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def mixture_dir(config: PipelineConfig, target_path: Path, cache_root: Path) -> Path:
-    return Path(cache_root) / "datasets" / f"mixture-{mixture_key(config, target_path)}"
+def mixture_dir(data: DataConfig, target: TargetConfig, target_path: Path, cache_root: Path) -> Path:
+    return Path(cache_root) / "datasets" / f"mixture-{mixture_key(data, target, target_path)}"
 
 
-def regenerated_features(config: PipelineConfig, target_path: Path, cache_root: Path, layer_ids: list[int]):
+def regenerated_features(data: DataConfig, target: TargetConfig, target_path: Path, cache_root: Path,
+                         layer_ids: list[int]):
     """The target features regeneration kept for these layers (data/feature_cache/regenerated.py), or None."""
-    folder = features_dir(mixture_dir(config, target_path, cache_root), layer_ids)
+    folder = features_dir(mixture_dir(data, target, target_path, cache_root), layer_ids)
     return RegeneratedFeatures(folder) if folder.is_dir() else None
 
 
-def greedy_response_spans(config: PipelineConfig, dataset) -> list[tuple[int, int]] | None:
+def greedy_response_spans(mixture: MixtureConfig, dataset) -> list[tuple[int, int]] | None:
     """Per row of the stage-1 mixture, the positions [lo, hi) whose target greedy choice is the next token:
     a greedily regenerated response is the target's argmax at every step, so training reads those choices
     from the row instead of projecting its final hidden states onto the vocabulary again. Prefilled rows
-    (num_generated 0) get an empty span. None: not a greedy regeneration (sampled, a prepared dataset, stage 2)."""
-    if config.train.stage != "general" or config.data.dataset is not None or config.data.mixture.temperature > 0:
+    (num_generated 0) get an empty span. None: sampled, not greedy. Only for rows from the mixture
+    (`rows_from`)."""
+    if mixture.temperature > 0:
         return None
     return [(p - 1, p + g - 1) if g else (0, 0)
             for p, g in zip(dataset["num_prompt_tokens"], dataset["num_generated"])]
 
 
-def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
+def build_mixture(data: DataConfig, target: TargetConfig, target_path: Path, cache_root: Path,
                   feature_layers: list[int] | None = None, ranks=None) -> Dataset:
     """feature_layers: keep those target layers' features while regenerating, for the feature cache.
     ranks: the process group (accelerate's state) when several processes share the regeneration: each
@@ -194,9 +196,9 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
     main process writes the dataset. Called by every process of the group.
     Writes manifest.json (sources and their counts, the target's fingerprint, template, thinking setting,
     generation settings, quarantine counts) and sources_quarantine.jsonl beside the dataset."""
-    mixture = config.data.mixture
-    out_dir = mixture_dir(config, target_path, cache_root)
-    drawn = draw_prompts(config)
+    mixture = data.mixture
+    out_dir = mixture_dir(data, target, target_path, cache_root)
+    drawn = draw_prompts(data)
     print(f"[data] general mixture: {len(drawn.prompts)} prompts from {len(drawn.sources)} source(s) -> {out_dir}", flush=True)
     if drawn.quarantined:
         print(f"[data] sources: {len(drawn.quarantined)} record(s) quarantined -> {out_dir / SOURCES_QUARANTINE}", flush=True)
@@ -206,17 +208,17 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
     if main:
         write_text_atomic(out_dir / SOURCES_QUARANTINE, "".join(json.dumps(q.to_dict(), ensure_ascii=False) + "\n"
                                                                for q in drawn.quarantined))
-    tokenizer = load_tokenizer(target_path, trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking)
+    tokenizer = load_tokenizer(target_path, trust_remote_code=target.trust_remote_code, thinking=data.thinking)
 
     def regenerate_all(prompts: list) -> Dataset:
         def run(share=None):
             return regenerate(
                 prompts, target_path, out_dir, batch_size=mixture.generation_batch_size,
-                max_new_tokens=mixture.max_new_tokens, temperature=mixture.temperature, seed=config.data.seed,
-                max_prompt_tokens=mixture.max_prompt_tokens, dtype=config.target.dtype,
-                backend=config.generation_backend, feature_layers=feature_layers,
-                trust_remote_code=config.target.trust_remote_code, thinking=config.data.thinking,
-                fingerprint=config.target.fingerprint, engine=config.target, share=share)
+                max_new_tokens=mixture.max_new_tokens, temperature=mixture.temperature, seed=data.seed,
+                max_prompt_tokens=mixture.max_prompt_tokens, dtype=target.dtype,
+                backend=data.mixture.backend(target), feature_layers=feature_layers,
+                trust_remote_code=target.trust_remote_code, thinking=data.thinking,
+                fingerprint=target.fingerprint, engine=target, share=share)
 
         if not shared:
             return run()
@@ -229,10 +231,12 @@ def build_mixture(config: PipelineConfig, target_path: Path, cache_root: Path,
 
     regenerated, rounds = answer_every_turn(drawn, regenerate_all, tokenizer)
     if main:
-        write_manifest(out_dir, config, target_path, tokenizer, drawn, regenerated, rounds, read_quarantine(out_dir))
+        write_manifest(out_dir, data, target, target_path, tokenizer, drawn, regenerated, rounds, read_quarantine(out_dir))
+    if shared:  # no process reads the manifest (prepare prints it) before the main process has written it
+        ranks.wait_for_everyone()
     if not mixture.prefilled_samples:
         return regenerated
-    rows = prefilled_rows(config, tokenizer)
+    rows = prefilled_rows(data, tokenizer)
     print(f"[data] prefilled samples: {len(rows)} ({sum(len(r['input_ids']) for r in rows)} tokens, no decoding)", flush=True)
     return concatenate_datasets([regenerated, Dataset.from_list(rows, features=regenerated.features)])
 
@@ -273,22 +277,22 @@ def answer_every_turn(drawn: DrawnPrompts, regenerate_all, tokenizer) -> tuple[D
     return dataset, rounds
 
 
-def write_manifest(out_dir: Path, config: PipelineConfig, target_path: Path, tokenizer, drawn: DrawnPrompts,
+def write_manifest(out_dir: Path, data: DataConfig, target: TargetConfig, target_path: Path, tokenizer, drawn: DrawnPrompts,
                    dataset: Dataset, rounds: int, regeneration_quarantine: list[dict]) -> dict:
     """What the prepared mixture is: enough to tell two of them apart, or to rebuild one."""
-    mixture = config.data.mixture
+    mixture = data.mixture
     rows = Counter(pid.split(":", 1)[0] for pid in dataset["prompt_id"]) if len(dataset) else Counter()
     for entry in drawn.sources:  # every prompt id starts with its source's name (a built-in corpus's is its name)
         entry["rows"] = rows.get(entry["name"], 0)
     manifest = {
         "kind": "dflash-prepared-mixture",
-        "target": {"path": str(Path(target_path).resolve()), "fingerprint": target_fingerprint(target_path, config.target.fingerprint),
+        "target": {"path": str(Path(target_path).resolve()), "fingerprint": target_fingerprint(target_path, target.fingerprint),
                    "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
-                   "thinking": config.data.thinking, "dtype": config.target.dtype},
-        "generation": {"backend": config.generation_backend,
-                       "engine": config.target.model_dump(mode="json", exclude={"path", "fingerprint"}), "max_new_tokens": mixture.max_new_tokens,
+                   "thinking": data.thinking, "dtype": target.dtype},
+        "generation": {"backend": data.mixture.backend(target),
+                       "engine": target.model_dump(mode="json", exclude={"path", "fingerprint"}), "max_new_tokens": mixture.max_new_tokens,
                        "max_prompt_tokens": mixture.max_prompt_tokens, "temperature": mixture.temperature,
-                       "seed": config.data.seed, "rounds": rounds},
+                       "seed": data.seed, "rounds": rounds},
         "sources": drawn.sources,
         "prompts": len(drawn.prompts),
         "rows": len(dataset),

@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from common.atomic_files import write_json_atomic
+from configs.schema import TargetConfig
 from engines.settings import vllm_kwargs
 from engines.vllm.engine import EngineError, ServerEngine, speculative_config
 
@@ -59,11 +60,10 @@ def read_spec(state_dir: str | Path) -> dict:
         raise ServeError(f"{spec_path} is not valid JSON ({err})") from None
 
 
-def engine_flags(config, target_path: str | Path) -> list[str]:
-    """The server's engine flags from the config's engine block (`target:`; engines/settings.py), as the
-    in-process engines read them: dtype, context length, memory share, parallelism, quantization, remote code."""
-    kwargs = vllm_kwargs(config.target, target_path, max_model_len=config.target.max_model_len or DEFAULT_CONTEXT,
-                         seed=config.train.seed)
+def engine_flags(target: TargetConfig, target_path: str | Path, seed: int = 0) -> list[str]:
+    """The server's engine flags from the engine block (`target:`; engines/settings.py), as the in-process engines
+    read them: dtype, context length, memory share, parallelism, quantization, remote code."""
+    kwargs = vllm_kwargs(target, target_path, max_model_len=target.max_model_len or DEFAULT_CONTEXT, seed=seed)
     flags = ["--dtype", kwargs["dtype"], "--max-model-len", str(kwargs["max_model_len"]),
              "--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"]),
              "--tensor-parallel-size", str(kwargs["tensor_parallel_size"]),

@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
                    help="drafter folder, training checkpoint (with drafter/), output_dir or FP8 export; repeatable")
     p.add_argument("--target", default=None, help="target model folder (default: config target.path, else the testbed target)")
     p.add_argument("--traces", default=None, help="comma-separated categories: code,prose,agentic[,chat] (default: config eval.categories)")
-    p.add_argument("--agentic-log", action="append", default=[], metavar="FILE_OR_DIR",
+    p.add_argument("--trajectories", action="append", default=[], metavar="FILE_OR_DIR",
                    help="held-out agent sessions (trajectory format, token ids); repeatable")
     p.add_argument("--agentic-per-session", type=int, default=None, help="last N requests of each session (default 1)")
     p.add_argument("--max-prompts", type=int, default=None, help="per category (default: config eval.max_prompts)")
@@ -42,7 +42,7 @@ def add_arguments(p) -> None:
                    help="prompts per category cross-checked with z-lab's dflash_generate (default: config eval.reference_subset)")
     p.add_argument("--out", default=None, help="report folder (default: <output_dir>/eval with --config, else outputs/eval)")
     p.add_argument("--config", default=None, help="pipeline YAML (configs/*.yaml); dotted overrides may follow")
-    p.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "float32", "fp32"],
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                    help="target and drafter dtype (default float32: exact greedy comparisons; bfloat16 is faster on CPU)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-chars", type=int, default=None, help="held-out prompt size in characters (default 2000)")
@@ -67,8 +67,8 @@ def config_from_args(args) -> tuple[PipelineConfig, list[str]]:
     values = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
     if args.traces:
         values["eval.categories"] = [c.strip() for c in args.traces.split(",") if c.strip()]
-    if args.agentic_log:
-        values["eval.agentic_log"] = list(args.agentic_log)
+    if args.trajectories:
+        values["eval.trajectories"] = list(args.trajectories)
     if args.no_sim:
         values["eval.simulate"] = False
     if args.no_warmup:
@@ -78,11 +78,11 @@ def config_from_args(args) -> tuple[PipelineConfig, list[str]]:
     if not args.config and args.out is None and config.eval.out is None:
         values["eval.out"] = "outputs/eval"
     notes = []
-    agentic_log = values.get("eval.agentic_log", config.eval.agentic_log)
-    if not args.traces and "agentic" in config.eval.categories and not agentic_log:
+    trajectories = values.get("eval.trajectories", config.eval.trajectories)
+    if not args.traces and "agentic" in config.eval.categories and not trajectories:
         # from a config, not asked for explicitly: skip without a log
         values["eval.categories"] = [c for c in config.eval.categories if c != "agentic"]
-        notes.append("agentic skipped: no --agentic-log given")
+        notes.append("agentic skipped: no --trajectories given")
     return with_values(config, values), notes
 
 

@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:
                         help="then serve the export in vLLM and check it against the eval (eval/engine.py)")
     parser.add_argument("--target", default=None, help="serving check: target folder (default: the testbed target)")
     parser.add_argument("--check-traces", default="code,prose", help="serving check: trace categories")
-    parser.add_argument("--agentic-log", action="append", default=[], help="serving check: agent sessions (ids)")
+    parser.add_argument("--trajectories", action="append", default=[], help="serving check: agent sessions (ids)")
 
 
 def run(args) -> int:
@@ -45,5 +45,5 @@ def run(args) -> int:
     if not args.serving_check:
         return 0
     config = serving_check_config(args.out.parent / f"serving-check-{args.out.name}", args.target,
-                                  categories=args.check_traces.split(","), agentic_log=args.agentic_log)
+                                  categories=args.check_traces.split(","), trajectories=args.trajectories)
     return 0 if serving_check(args.out, config)["passed"] else 1

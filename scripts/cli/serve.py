@@ -45,7 +45,7 @@ def run(args) -> int:
         if args.action == "start":
             config = load_config(args.config, args.overrides)
             target = resolve_target(config, log=lambda *a, **k: None)
-            spec = make_spec(target, engine_flags(config, target), args.port, args.host, args.drafter)
+            spec = make_spec(target, engine_flags(config.target, target, config.train.seed), args.port, args.host, args.drafter)
             start(args.state_dir, spec, timeout=args.timeout)
         elif args.action == "restart":
             restart(args.state_dir, args.drafter, timeout=args.timeout)

@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--context-cap", type=int, default=d.context_cap, help="compact above this many tokens")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype)
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default=d.dtype)
     p.add_argument("--format", choices=tuple(LOG_FORMATS), default=d.format)
     p.add_argument("--tool-role", choices=("tool", "user"), default=d.tool_role)
     p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction)

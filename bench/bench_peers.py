@@ -236,7 +236,7 @@ def decode(drafters: dict[str, Path], args, out: Path) -> dict:
            "--reference-subset", "0", "--threads", str(args.threads), "--out", str(eval_dir), *args.overrides]
     measured = run_measured(cmd, out / "eval.log", args.threads, timeout=6 * 3600)
     if measured["returncode"] != 0:
-        raise RuntimeError(f"eval.acceptance exited with {measured['returncode']}; see {out / 'eval.log'}")
+        raise RuntimeError(f"dflash-pipeline eval exited with {measured['returncode']}; see {out / 'eval.log'}")
     taus = read_taus(json.loads((eval_dir / "report.json").read_text()), list(drafters))
     return {"taus": taus, "seconds": round(measured["wall_seconds"], 1), "report": str(eval_dir / "report.md")}
 
@@ -280,7 +280,7 @@ def markdown(result: dict) -> str:
     lines = [f"{result['budget_minutes']:g} minutes of training each on {result['threads']} threads; {prep['rows']} rows, "
              f"{prep['tokens']} tokens; drafter of {prep['num_layers']} layers, blocks of {prep['block_size']}, target "
              f"layers {prep['layer_ids']}; peers' anchors {result['peer_anchors']}. Held-out decoded tau (ours, "
-             f"eval.acceptance), {result['prompts']} prompts per category, {result['new_tokens']} new tokens.", "",
+             f"dflash-pipeline eval), {result['prompts']} prompts per category, {result['new_tokens']} new tokens.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ours = taus.get("ours", {})
     for name, t in trained.items():

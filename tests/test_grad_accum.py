@@ -1,12 +1,12 @@
 """Gradient accumulation under DDP and DeepSpeed ZeRO-2 (2 processes, gloo, CPU) against one process:
 the same sequences per optimizer step, the same steps per epoch, the same weights."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from training_runs import final_weights, run_quietly
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
@@ -45,14 +45,9 @@ def _args(workspace: Path, out: Path, grad_accum: int) -> list[str]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = run_quietly(cmd, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
-
-
-def _drafter_weights(out: Path) -> dict:
-    return load_file(str(list_checkpoints(out)[-1] / "drafter" / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +72,7 @@ def test_two_processes_accumulate_like_one(workspace, single_process, accelerate
     else:
         assert not pickle_files(list_checkpoints(out)[-1])
     # Same sequences and anchors per step, gradients averaged alike: the same weights, to bf16 rounding.
-    expected, got = _drafter_weights(single_process), _drafter_weights(out)
+    expected, got = final_weights(single_process), final_weights(out)
     initial = load_file(str(_initial_drafter(workspace) / "model.safetensors"))
     moved = max(float((expected[k].float() - initial[k].float()).abs().max()) for k in expected)
     assert moved > 1e-2, "training barely moved the weights: the comparison would prove nothing"

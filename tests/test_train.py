@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from training_runs import final_weights, run_quietly
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
@@ -55,12 +56,7 @@ def _env():
 
 
 def _run(cmd: list[str], timeout=300) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-    return result
-
-
-def _final_weights(out: Path) -> dict:
-    return load_file(str(list_checkpoints(out)[-1] / "drafter" / "model.safetensors"))
+    return run_quietly(cmd, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +96,7 @@ def test_sigkill_at_random_step_then_resume_matches_uninterrupted(workspace, ref
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout + result.stderr
     assert read_trainer_state(list_checkpoints(out)[-1]).step == 6
-    expected, resumed = _final_weights(reference), _final_weights(out)
+    expected, resumed = final_weights(reference), final_weights(out)
     assert expected.keys() == resumed.keys()
     for name in expected:
         assert torch.equal(expected[name], resumed[name]), name
@@ -199,8 +195,8 @@ def test_offline_feature_cache_trains_like_online(workspace, reference_run):
     online = read_trainer_state(list_checkpoints(reference_run)[-1]).metrics
     offline = read_trainer_state(list_checkpoints(out)[-1]).metrics
     assert offline["loss"] == pytest.approx(online["loss"], rel=0.02)
-    for name, tensor in _final_weights(reference_run).items():
-        assert torch.allclose(tensor.float(), _final_weights(out)[name].float(), atol=2e-2), name
+    for name, tensor in final_weights(reference_run).items():
+        assert torch.allclose(tensor.float(), final_weights(out)[name].float(), atol=2e-2), name
     # The target's greedy choices (ce_target labels) were kept beside the cache: a second run on it reads them
     # instead of projecting every cached position again, and trains bit-identically.
     assert (caches[0] / "target_choices.safetensors").exists()
@@ -208,8 +204,8 @@ def test_offline_feature_cache_trains_like_online(workspace, reference_run):
                                                      f"cache_dir={workspace / 'cache'}")])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "greedy choices of every row read from" in again.stdout
-    for name, tensor in _final_weights(out).items():
-        assert torch.equal(tensor, _final_weights(workspace / "offline-again")[name]), name
+    for name, tensor in final_weights(out).items():
+        assert torch.equal(tensor, final_weights(workspace / "offline-again")[name]), name
 
 
 def test_loss_mask_anchors_with_weighted_slots_train_deterministically(workspace):
@@ -226,7 +222,7 @@ def test_loss_mask_anchors_with_weighted_slots_train_deterministically(workspace
     # <= 1 + (B-1) acc1 (a block accepts slot k only after slot 1).
     tau, acc1 = state.metrics["sim_tau"], state.metrics["slot1_acc"]
     assert 1.0 + acc1 - 1e-9 <= tau <= 1.0 + (BLOCK - 1) * acc1 + 1e-9, state.metrics
-    a, b = _final_weights(runs[0]), _final_weights(runs[1])
+    a, b = final_weights(runs[0]), final_weights(runs[1])
     assert all(torch.equal(a[name], b[name]) for name in a)
     same = {k: v for k, v in read_trainer_state(list_checkpoints(runs[1])[-1]).metrics.items() if k != "block_tokens_per_s"}
     assert same == {k: v for k, v in state.metrics.items() if k != "block_tokens_per_s"}  # the metrics too
@@ -304,7 +300,7 @@ def test_reduced_head_with_target_labels_keeps_learning_curve_snapshots(workspac
     served = load_drafter(snapshots[-1])
     assert served.block_size == BLOCK and torch.equal(
         load_file(str(snapshots[-1] / "model.safetensors"))["fc.weight"],
-        _final_weights(out)["fc.weight"])
+        final_weights(out)["fc.weight"])
 
 
 def _resumable_copy(run: Path, dst: Path) -> Path:
@@ -335,7 +331,7 @@ def test_resume_refuses_a_planted_pickle_and_stays_bit_identical(workspace, refe
     logged = result.stdout + result.stderr
     assert "resumed from" in logged and "train.keep_last: 2 -> 3" in logged and "trusted" in logged
     assert not marker.exists()
-    expected, resumed = _final_weights(reference_run), _final_weights(out)
+    expected, resumed = final_weights(reference_run), final_weights(out)
     assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
 
 
@@ -355,7 +351,7 @@ def test_a_checkpoint_saved_under_the_old_keys_and_spellings_resumes(workspace, 
     result = _run([sys.executable, str(TRAIN), *_args(workspace, out)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout + result.stderr and "differ" not in result.stderr
-    expected, resumed = _final_weights(reference_run), _final_weights(out)
+    expected, resumed = final_weights(reference_run), final_weights(out)
     assert all(torch.equal(expected[k], resumed[k]) for k in expected)
     old = _run([sys.executable, str(TRAIN), *_args(workspace, tmp_path / "new", "train.precision=fp32",
                                                    "target.dtype=float32")])
@@ -381,7 +377,7 @@ def test_resume_refuses_changed_settings_and_names_them(workspace, reference_run
                                                        "train.resume_allow_config_change=true")])
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert "train.lr: 0.0006 -> 0.001" in allowed.stdout + allowed.stderr
-    expected, resumed = _final_weights(reference_run), _final_weights(out)
+    expected, resumed = final_weights(reference_run), final_weights(out)
     assert not all(torch.equal(expected[k], resumed[k]) for k in expected)
 
 

@@ -16,6 +16,7 @@ from eval.acceptance import eval_backend, evaluate
 from eval.engine import evaluate_engine
 from eval.inputs import EvalError
 from eval.traces import TraceError
+from scripts.cli.refusal import refuse
 
 FLAG_KEYS = {"target": "target.path", "device_map": "target.device_map", "agentic_per_session": "eval.agentic_per_session",
              "max_prompts": "eval.max_prompts", "max_new_tokens": "eval.max_new_tokens", "max_tokens": "eval.max_tokens",
@@ -96,6 +97,5 @@ def run(args) -> int:
             return 0
         evaluate(args.drafter, config, notes=notes)
     except (EvalError, TraceError, ConfigError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err, 2)
     return 0

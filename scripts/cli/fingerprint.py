@@ -6,10 +6,10 @@ every file once and write the sidecar that later runs trust (`target.fingerprint
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from drafters.target.fingerprint import SIDECAR, target_fingerprint, write_sidecar
+from scripts.cli.refusal import refuse
 
 
 def add_arguments(parser) -> None:
@@ -19,8 +19,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if not (args.target / "config.json").is_file():
-        print(f"error: {args.target} is not a model folder (no config.json)", file=sys.stderr)
-        return 2
+        return refuse(f"{args.target} is not a model folder (no config.json)")
     if args.write:
         print(f"wrote {write_sidecar(args.target)}")
     print(target_fingerprint(args.target, "sidecar" if args.write else "content"))

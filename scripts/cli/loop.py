@@ -12,6 +12,7 @@ from pathlib import Path
 
 from configs.schema import ConfigError
 from retraining.closed_loop import V0_OVERRIDES, LoopError, LoopSettings, run_loop
+from scripts.cli.refusal import refuse
 
 
 def add_arguments(parser) -> None:
@@ -49,6 +50,5 @@ def run(args) -> int:
     try:
         report = run_loop(settings)
     except (ConfigError, LoopError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err, 2)
     return 0 if report["v1_beats_v0_by_margin"] else 1

@@ -6,9 +6,8 @@
 
 from __future__ import annotations
 
-import sys
-
 from configs.schema import ConfigError, load_config
+from scripts.cli.refusal import refuse
 from train.plan import HARDWARE, PlanError, build_plan, print_plan
 
 
@@ -35,6 +34,5 @@ def run(args) -> int:
         else:
             print_plan(config, args.config, **what_ifs)
     except (ConfigError, PlanError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err, 2)
     return 0

@@ -15,6 +15,7 @@ import json
 import sys
 
 from configs.schema import ConfigError, load_config
+from scripts.cli.refusal import refuse
 from train.prepare import emit_json_line, engine_logs_to_stderr, prepare
 
 
@@ -28,8 +29,7 @@ def run(args) -> int:
     try:
         manifest = prepare(load_config(args.config, args.overrides))
     except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err, 2)
     if manifest["rank"] == 0:
         emit_json_line(manifest)
     else:  # one manifest on stdout; the other ranks' capture reports go with their logs

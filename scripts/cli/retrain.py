@@ -21,6 +21,7 @@ from retraining.cycle import EXIT_BUSY, EXIT_HOOK_FAILED, run_cycle
 from retraining.hooks import HookFailed
 from retraining.state import RetrainError
 from retraining.versions import install_initial, notify, rollback, status
+from scripts.cli.refusal import refuse
 from train.loop import EXIT_DIVERGED, TrainingDiverged
 
 
@@ -48,15 +49,12 @@ def run(args) -> int:
         else:
             run_cycle(config)
     except HookFailed as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_HOOK_FAILED
+        return refuse(err, EXIT_HOOK_FAILED)
     except Busy as err:
         print(f"[retrain] {err}", file=sys.stderr)
         return EXIT_BUSY
     except (ConfigError, RetrainError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err, 2)
     except TrainingDiverged as err:
-        print(f"error: {err} (the cycle stays in progress and resumes from that checkpoint)", file=sys.stderr)
-        return EXIT_DIVERGED
+        return refuse(err, EXIT_DIVERGED, " (the cycle stays in progress and resumes from that checkpoint)")
     return 0

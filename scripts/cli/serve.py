@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 from configs.schema import ConfigError, load_config
 from engines.vllm.server import (
@@ -20,6 +19,7 @@ from engines.vllm.server import (
     status,
     stop,
 )
+from scripts.cli.refusal import refuse
 from train.setup import resolve_target
 
 
@@ -55,6 +55,5 @@ def run(args) -> int:
         else:
             print(json.dumps(status(args.state_dir), indent=2))
     except (ServeError, ConfigError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err, 2)
     return 0

@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import json
-import sys
 
 from engines.sglang.check import SGLangCheckError, sglang_tau
+from scripts.cli.refusal import refuse
 
 
 def add_arguments(parser) -> None:
@@ -26,6 +26,5 @@ def run(args) -> int:
         print(json.dumps(sglang_tau(args.target, args.export, args.prompts, args.max_new_tokens, args.tp,
                                     args.startup_timeout)))
     except SGLangCheckError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1 if "installed" not in str(err) else 2
+        return refuse(err, 1 if "installed" not in str(err) else 2)
     return 0

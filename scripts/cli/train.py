@@ -10,9 +10,8 @@ in its output_dir. A run that diverges stops with exit status 3, its newest chec
 
 from __future__ import annotations
 
-import sys
-
 from configs.schema import ConfigError, load_config
+from scripts.cli.refusal import refuse
 from train.batches import DatasetError
 from train.loop import EXIT_DIVERGED, TrainingDiverged, train
 from train.plan import print_plan
@@ -33,9 +32,7 @@ def run(args) -> int:
             return 0
         train(config)
     except (ConfigError, DatasetError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err, 2)
     except TrainingDiverged as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_DIVERGED
+        return refuse(err, EXIT_DIVERGED)
     return 0

@@ -56,6 +56,18 @@ def final_norm_weight(target_path: Path):
     raise ValueError(f"{target_path}: no final norm weight ({', '.join(names)}) in its safetensors")
 
 
+def check_room(out: Path, tokens: int, reader, peers: list[str]) -> None:
+    """Refuse, before writing, exports the disk cannot hold: each peer gets every token's features in bf16
+    (speculators one layer more), plus a quarter for the formats' own overhead."""
+    layers_bytes = 2 * len(reader.layer_ids) * reader.hidden_size
+    need = int(1.25 * tokens * sum(layers_bytes + (2 * reader.hidden_size if p == "speculators" else 0) for p in peers))
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise SystemExit(f"error: the peers' exports need about {need / 1e9:.1f} GB under {out}, and "
+                         f"{free / 1e9:.1f} GB are free")
+
+
 def prepare(config_path: str, overrides: list[str], out: Path, peers: list[str], log=print) -> dict:
     from accelerate import Accelerator
 
@@ -81,6 +93,7 @@ def prepare(config_path: str, overrides: list[str], out: Path, peers: list[str],
     draft_config_path.write_text(json.dumps(config_dict(draft_config), indent=2, sort_keys=True) + "\n")
     exports = {}
     max_len = config.data.max_seq_len
+    check_room(out, sum(min(len(ids), max_len) for ids in dataset["input_ids"]), features.reader, peers)
     if "specforge" in peers:
         exports["specforge"] = export_specforge(dataset, features.reader, max_len, out / "data" / "specforge")
     if "speculators" in peers:

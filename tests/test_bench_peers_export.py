@@ -40,6 +40,9 @@ def test_specforge_files_hold_our_rows_and_features(cached):
         assert sample["input_ids"].tolist() == dataset[i]["input_ids"][:16]
         assert sample["loss_mask"].tolist() == dataset[i]["loss_mask"][:16]
         assert torch.equal(sample["hidden_states"], reader.get_row(i)[0])
+        # a file holds its own row, not the cache shard the row is a view of
+        own = sum(t.numel() * t.element_size() for t in sample.values())
+        assert (root / "specforge" / f"data_{i:06d}.ckpt").stat().st_size < own + 4096
     assert not (root / "specforge" / "data_000001.ckpt").exists()
 
 

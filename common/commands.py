@@ -3,8 +3,5 @@
 
 import sys
 
-PROGRAM = "dflash-pipeline"
-
-
 def cli_command(verb: str, *args) -> list[str]:
     return [sys.executable, "-m", "scripts.cli", verb, *map(str, args)]

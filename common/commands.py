@@ -3,5 +3,6 @@
 
 import sys
 
+
 def cli_command(verb: str, *args) -> list[str]:
     return [sys.executable, "-m", "scripts.cli", verb, *map(str, args)]

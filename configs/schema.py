@@ -326,6 +326,9 @@ class EvalConfig(Strict):
     lookup_min_ngram: int = Field(1, ge=1)
     # Prompt lookup's drafts per step. None: the first drafter's block size - 1 (15 without drafters).
     lookup_num_draft: int | None = Field(None, ge=0)
+    # Each drafter also decodes with prompt lookup ("<name>+lookup"): lookup's draft on the steps where the
+    # context's last N tokens recur earlier, the drafter's on the others. None: not measured.
+    with_lookup_min_match: int | None = Field(2, ge=1)
     simulate: bool = True  # the teacher-forced estimate (sim tau) next to the real one
     warmup: bool = True  # one short decode first, so first-call allocations stay out of the timings
     # Report folder. None: <output_dir>/eval.
@@ -342,6 +345,7 @@ class RetrainEvalConfig(EvalConfig):
     temperature: float = Field(0.0, ge=0.0, le=0.0)  # greedy: the candidate's output is compared with the target's
     max_new_tokens: int = Field(64, ge=1)
     reference_subset: int = Field(0, ge=0)
+    with_lookup_min_match: int | None = None
     simulate: bool = False
     warmup: bool = False
 

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from common.dtypes import TORCH_DTYPES
 from configs.schema import PipelineConfig
+from drafters.decoding.proposers import PromptLookup
 from drafters.decoding.spec_decode import (
     Decoded,
     generate,
@@ -77,7 +78,7 @@ class Models:
     drafters: dict                   # name -> DFlashDrafter
     references: dict                 # name -> z-lab DFlashDraftModel (reference_subset > 0)
     stop_ids: list[int]
-    methods: list[str]               # report column order: drafters, prompt lookup, target
+    methods: list[str]               # report column order: drafters, drafters with lookup, prompt lookup, target
     block_sizes: dict[str, int]
     lookup_draft: int
 
@@ -150,9 +151,17 @@ def load_models(specs: list[DrafterSpec], target_path: Path, target_config, toke
     lookup_draft = ev.lookup_num_draft
     if lookup_draft is None:
         lookup_draft = (specs[0].block_size - 1) if specs else 15
-    block_sizes = {**{s.name: drafters[s.name].block_size for s in specs}, LOOKUP: lookup_draft + 1, TARGET: 1}
+    combined = [with_lookup(s.name) for s in specs] if ev.with_lookup_min_match is not None else []
+    block_sizes = {**{s.name: drafters[s.name].block_size for s in specs},
+                   **{with_lookup(s.name): max(drafters[s.name].block_size, lookup_draft + 1) for s in specs},
+                   LOOKUP: lookup_draft + 1, TARGET: 1}
     return Models(target, head, drafters, references, stop_token_ids(target, tokenizer),
-                  [s.name for s in specs] + [LOOKUP, TARGET], block_sizes, lookup_draft)
+                  [s.name for s in specs] + combined + [LOOKUP, TARGET], block_sizes, lookup_draft)
+
+
+def with_lookup(drafter_name: str) -> str:
+    """The report's name of a drafter decoding with prompt lookup (``DrafterWithLookup``)."""
+    return f"{drafter_name}+lookup"
 
 
 def warm_up(models: Models, trace_sets: dict[str, TraceSet]) -> None:
@@ -189,7 +198,8 @@ def decode_all(specs, models: Models, trace_sets: dict[str, TraceSet], config: P
 
 
 def decode_prompt(models: Models, input_ids: list[int], config: PipelineConfig, seed: int) -> dict[str, Decoded]:
-    """Every method on one prompt: the target alone, prompt lookup, each drafter (each its own seeded RNG)."""
+    """Every method on one prompt: the target alone, prompt lookup, each drafter alone and with lookup (each its
+    own seeded RNG)."""
     ev = config.eval
     ids = torch.tensor([input_ids], dtype=torch.long)
     gen = lambda m: torch.Generator().manual_seed(_seed(seed, m))  # noqa: E731
@@ -198,9 +208,14 @@ def decode_prompt(models: Models, input_ids: list[int], config: PipelineConfig, 
                LOOKUP: lookup_generate(models.target, ids, ev.max_new_tokens, models.stop_ids, ev.temperature,
                                        num_draft=models.lookup_draft, max_ngram=ev.lookup_max_ngram,
                                        min_ngram=ev.lookup_min_ngram, generator=gen(1))}
+    lookup = PromptLookup(models.lookup_draft, ev.lookup_max_ngram, ev.lookup_min_ngram)
     for m_index, (name, drafter) in enumerate(models.drafters.items()):
         results[name] = generate(drafter, models.target, ids, ev.max_new_tokens, models.stop_ids, ev.temperature,
                                  head=models.head, generator=gen(2 + m_index))
+        if ev.with_lookup_min_match is not None:
+            results[with_lookup(name)] = generate(
+                drafter, models.target, ids, ev.max_new_tokens, models.stop_ids, ev.temperature, head=models.head,
+                generator=gen(1000 + m_index), lookup=lookup, min_match=ev.with_lookup_min_match)
     return results
 
 

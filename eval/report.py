@@ -7,8 +7,9 @@ report.json (version 1), top-level keys:
   target       path, num_hidden_layers, vocab_size, hidden_size, testbed
   drafters     [{name, path, folder, kind (reference | checkpoint | fp8), block_size, target_layer_ids,
                  mask_token_id, num_layers, stored_dtype, quantization}]
-  methods      column order: the drafters' names, "prompt_lookup", "target"
-  block_sizes  {method: B} (prompt lookup: drafted tokens + 1; target: 1)
+  methods      column order: the drafters' names, "<name>+lookup" (each drafter with prompt lookup, unless
+               eval.with_lookup_min_match is null), "prompt_lookup", "target"
+  block_sizes  {method: B} (prompt lookup: drafted tokens + 1; a drafter with lookup: the larger; target: 1)
   categories   {category (and "all" when there are several): {prompts, prompt_tokens, source, ids, ...,
                  methods: {method: {prompts, new_tokens, steps, tau_mean, tau_median, tau_prompt_mean,
                    slot_acceptance [k = 1..B-1], prefill_seconds, decode_seconds, total_seconds,
@@ -64,6 +65,7 @@ def _cell(m: dict, method: str) -> str:
 def markdown(report: dict) -> str:
     lines = _header(report)
     lines += _speed_section(report)
+    lines += _serving_section(report)
     lines += _sim_section(report)
     lines += _reference_section(report)
     if report["settings"]["temperature"] <= 0:
@@ -105,6 +107,35 @@ def _speed_section(report: dict) -> list[str]:
               "decode speedup over the target decoding alone on the same prompts · generated tokens/s "
               "(decode phase, prompt prefill excluded). The first token of every answer comes from the prefill "
               "and is not a step.", ""]
+    return lines
+
+
+SERVING_ENGINES = (
+    "Which engine serves it: vLLM 0.32 and SGLang run one speculative method per server (vLLM: `dflash`, `ngram`, "
+    "`suffix`, ...; SGLang: `DFLASH`, `NGRAM`, ...), with no per-request choice, so neither serves the drafter with "
+    "lookup today (vLLM's pull request 24344, n-gram drafts with a model drafter's fallback, is open). Until one does: "
+    "serve the winner of the traffic that dominates, or run two servers of the same target, one with the drafter and "
+    "one with `ngram` (prompt lookup), and route edit and agent traffic to the second. Our own decoder "
+    "(`drafters.decoding.spec_decode.generate(..., lookup=...)`) runs the combination.")
+
+
+def _serving_section(report: dict) -> list[str]:
+    """Per category and drafter: the drafter, the drafter with lookup, or prompt lookup, by tau."""
+    drafters = [d["name"] for d in report["drafters"]]
+    combined = {d: f"{d}+lookup" for d in drafters if f"{d}+lookup" in report["methods"]}
+    if not combined:
+        return []
+    lines = ["## What to serve", "", "| category | drafter | tau: drafter / with lookup / prompt lookup | serve |",
+             "|---|---|---|---|"]
+    for cat, c in report["categories"].items():
+        for d, both in combined.items():
+            taus = {d: c["methods"][d]["tau_mean"], both: c["methods"][both]["tau_mean"],
+                    "prompt_lookup": c["methods"]["prompt_lookup"]["tau_mean"]}
+            best = max(taus, key=lambda m: taus[m] or 0.0)
+            cells = " / ".join(_f(taus[m]) for m in (d, both, "prompt_lookup"))
+            lines.append(f"| {cat} | {d} | {cells} | {label(report, best)} |")
+    lines += ["", "By tau, the tokens each target pass commits; a drafter pass costs more than a lookup, so where "
+              "the drafter with lookup leads by a hair the speedup columns above decide. " + SERVING_ENGINES, ""]
     return lines
 
 

@@ -20,8 +20,8 @@ from data.trajectory.reader import write_trajectories
 from drafters.drafter.checkpoint import save_drafter
 from drafters.drafter.config import build_draft_config
 from drafters.drafter.model import DFlashDrafter
-from drafters.decoding.proposers import ngram_lookup
-from drafters.decoding.spec_decode import lookup_generate, target_generate
+from drafters.decoding.proposers import PromptLookup, ngram_lookup
+from drafters.decoding.spec_decode import generate, lookup_generate, target_generate
 from drafters.target.testbed import prepare_testbed_target, tiny_llama_target
 from eval import acceptance
 from eval.acceptance import evaluate
@@ -201,7 +201,7 @@ def test_random_drafter_end_to_end_report(smol, random_drafter, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert {"settings", "target", "drafters", "methods", "categories", "prompts", "mismatches", "warnings",
             "notes"} <= set(report)
-    assert report["methods"] == ["rand", "prompt_lookup", "target"]
+    assert report["methods"] == ["rand", "rand+lookup", "prompt_lookup", "target"]
     assert list(report["categories"]) == ["code", "agentic", "all"]
     assert report["categories"]["agentic"]["ids"] == ["s1-t1"]  # the session's last request
     assert report["mismatches"] == []
@@ -222,15 +222,20 @@ def test_random_drafter_end_to_end_report(smol, random_drafter, tmp_path):
         assert m["prompt_lookup"]["tau_mean"] == sum(lookup_steps) / len(lookup_steps) > 1.0
         assert m["prompt_lookup"]["identical"] == 1
         assert len(m["prompt_lookup"]["slot_acceptance"]) == 15
+        # With lookup, the random drafter's steps that copy are accepted too; the output is still the target's.
+        assert m["rand+lookup"]["tau_mean"] > 1.0 and m["rand+lookup"]["identical"] == 1
     prompt = report["prompts"][0]["results"]
     assert prompt["rand"]["reference"]["acceptance_lengths"] == prompt["rand"]["acceptance_lengths"]
 
     md = (out / "report.md").read_text()
     table = md.split("## Acceptance length and speed")[1].split("\n\n")[1].splitlines()
-    assert table[0] == "| category | prompts | rand | prompt lookup | target alone |"
+    assert table[0] == "| category | prompts | rand | rand+lookup | prompt lookup | target alone |"
     assert [row.split("|")[1].strip() for row in table[2:]] == ["code", "agentic", "all"]
     assert "**1.00** / 1" in table[2]
     assert "identical to the target's own greedy output" in md
+    serve = md.split("## What to serve")[1].split("\n\n")[1].splitlines()
+    assert [row.split("|")[1].strip() for row in serve[2:]] == ["code", "agentic", "all"]
+    assert all(row.split("|")[4].strip() in ("rand+lookup", "prompt lookup") for row in serve[2:])  # rand: tau 1
     for name in ("tau_by_category.png", "slot_acceptance.png"):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC
@@ -275,6 +280,7 @@ def test_trained_drafter_tau_equals_reference(tiny_setup, tmp_path):
     m = report["categories"]["agentic"]["methods"]["trained"]
     assert m["tau_mean"] > 1.5, m  # non-trivial: it accepts drafted tokens
     assert report["mismatches"] == [] and m["identical"] == 3
+    assert report["categories"]["agentic"]["methods"]["trained+lookup"]["identical"] == 3
     ref = m["reference"]
     assert ref["prompts"] == 3 and ref["acceptance_lengths_equal"] == 3
     assert ref["outputs_identical_to_ours"] == ref["outputs_identical_to_target"] == 3
@@ -293,10 +299,30 @@ def test_trained_drafter_tau_equals_reference(tiny_setup, tmp_path):
     assert "identical" not in ms["trained"] and sampled["mismatches"] == []
     assert ms["trained"]["reference"]["tau_reference"] > 1.0
     for p in sampled["prompts"]:
-        for method in ("trained", "prompt_lookup", "target"):
+        for method in ("trained", "trained+lookup", "prompt_lookup", "target"):
             r = p["results"][method]
             assert sum(r["acceptance_lengths"]) == r["new_tokens"] - 1, method
     assert "T>0" in (tmp_path / "sampled" / "report.md").read_text()
+
+
+@torch.no_grad()
+def test_drafter_with_lookup_switches_and_keeps_the_drafter_whole(tiny_setup):
+    """A prompt that repeats itself: lookup drafts the steps whose last 2 tokens recur, the drafter the others
+    (told apart by their draft counts, 5 and B - 1), and the drafter, which skips the lookup steps, still reads
+    every committed token's features: its cache position check in ``DFlashDrafter.step`` would refuse a gap."""
+    target_dir, _, drafter_path = tiny_setup
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = load_spec(resolve_drafter(str(drafter_path)), torch.float32, target.config)
+    g = torch.Generator().manual_seed(5)
+    phrase = torch.randint(3, 500, (1, 12), generator=g)
+    ids = torch.cat([torch.randint(3, 500, (1, 6), generator=g), phrase, phrase[:, :6]], dim=1)
+    alone = target_generate(target, ids, NEW)
+    both = generate(drafter, target, ids, NEW, lookup=PromptLookup(num_draft=5), min_match=2)
+    assert both.tokens == alone.tokens
+    assert sum(both.acceptance_lengths) == len(both.tokens) - 1
+    assert B - 1 in both.proposed and any(0 < n <= 5 for n in both.proposed), both.proposed
+    drafter_only = generate(drafter, target, ids, NEW)
+    assert drafter_only.tokens == alone.tokens
 
 
 def test_sharded_bf16_target_decodes_like_one_device(tiny_setup, tmp_path):

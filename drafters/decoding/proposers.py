@@ -1,4 +1,4 @@
-"""What proposes the drafts the target verifies: a DFlash drafter, prompt lookup (n-grams), or nothing.
+"""What proposes the drafts the target verifies: a DFlash drafter, prompt lookup (n-grams), both, or nothing.
 
 A proposer is asked for drafts once per decode step (``propose``) and told which tokens the target
 committed (``commit``). ``layer_ids`` names the target layers whose outputs it reads; the decode loop
@@ -10,6 +10,9 @@ vLLM's and SGLang's ``ngram`` speculative method): take the last n tokens of the
 generated so far), n from ``max_ngram`` down to ``min_ngram``, find their first (earliest) earlier
 occurrence in the context, as transformers and vLLM do, and propose up to ``num_draft`` tokens that
 followed it. No match: no draft, and the step is an ordinary decode step.
+
+The drafter with lookup (``DrafterWithLookup``) takes lookup's draft when the context's last ``min_match`` or more
+tokens recur earlier (copy work: edits, restated code, quoted text) and the drafter's otherwise.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ class DFlashProposer:
         block[0, 0] = int(context[-1])
         anchor_position = len(context) - 1
         hidden = self.drafter.step(self.pending, self.head.embed(block), anchor_position, self.cache)
+        self.pending = self.pending[:, :0]
         logits = self.head.logits(hidden[0, 1:]).float()
         if temperature <= 0:
             return Proposal(logits.argmax(-1).tolist())
@@ -120,4 +124,28 @@ class DFlashProposer:
         return Proposal(drafts.tolist(), probs)
 
     def commit(self, features: torch.Tensor) -> None:
-        self.pending = features
+        # Steps another proposer drafted leave their features here until the drafter runs again.
+        self.pending = torch.cat([self.pending, features], dim=1)
+
+
+class DrafterWithLookup:
+    """Prompt lookup's draft when the context's last ``min_match`` (or more, up to ``lookup.max_ngram``) tokens
+    recur earlier in the context, the drafter's otherwise. The drafter still reads every committed token's
+    features, so its cache stays whole across the steps lookup drafts."""
+
+    def __init__(self, drafter: DFlashProposer, lookup: PromptLookup, min_match: int = 2):
+        self.drafter, self.lookup, self.min_match = drafter, lookup, min_match
+        self.layer_ids = drafter.layer_ids
+
+    def start(self, prompt_features: torch.Tensor) -> None:
+        self.drafter.start(prompt_features)
+
+    def propose(self, context: np.ndarray, room: int, temperature: float, generator) -> Proposal:
+        copied = ngram_lookup(context, max(self.lookup.max_ngram, self.min_match), self.min_match,
+                              min(self.lookup.num_draft, room))
+        if copied:
+            return Proposal(copied)
+        return self.drafter.propose(context, room, temperature, generator)
+
+    def commit(self, features: torch.Tensor) -> None:
+        self.drafter.commit(features)

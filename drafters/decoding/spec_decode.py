@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from drafters.decoding.proposers import (
     DFlashProposer,
+    DrafterWithLookup,
     PromptLookup,
     Proposer,
     TargetOnly,
@@ -212,10 +213,15 @@ def _decode(runner: TargetRunner, input_ids, proposer: Proposer, max_new_tokens:
 
 def generate(drafter: DFlashDrafter, target, input_ids: torch.Tensor, max_new_tokens: int, stop_ids=None,
              temperature: float = 0.0, *, head: FrozenTargetHead | None = None, capture: HFCapture | None = None,
-             block_size: int | None = None, generator: torch.Generator | None = None) -> Decoded:
-    """Speculative decoding with a DFlash drafter."""
+             block_size: int | None = None, generator: torch.Generator | None = None,
+             lookup: PromptLookup | None = None, min_match: int = 2) -> Decoded:
+    """Speculative decoding with a DFlash drafter; with ``lookup``, lookup's draft on the steps where the context's
+    last ``min_match`` tokens recur earlier (``DrafterWithLookup``)."""
     head = head or FrozenTargetHead.from_model(target)
-    return decode(target, input_ids, DFlashProposer(drafter, head, block_size), max_new_tokens, stop_ids, temperature,
+    proposer = DFlashProposer(drafter, head, block_size)
+    if lookup is not None:
+        proposer = DrafterWithLookup(proposer, lookup, min_match)
+    return decode(target, input_ids, proposer, max_new_tokens, stop_ids, temperature,
                   head=head, capture=capture, generator=generator)
 
 

@@ -34,6 +34,7 @@ import json
 from pathlib import Path
 
 from common.atomic_files import write_text_atomic
+from drafters.decoding.proposers import COMBINATION_SERVING
 
 PLOTS = ("tau_by_category.png", "slot_acceptance.png")
 TESTBED_CALIBRATION = {"code": 1.43, "prose": 1.27}  # prompt lookup, z-lab decoder, 128 new tokens (facts)
@@ -110,15 +111,6 @@ def _speed_section(report: dict) -> list[str]:
     return lines
 
 
-SERVING_ENGINES = (
-    "Which engine serves it: vLLM 0.32 and SGLang run one speculative method per server (vLLM: `dflash`, `ngram`, "
-    "`suffix`, ...; SGLang: `DFLASH`, `NGRAM`, ...), with no per-request choice, so neither serves the drafter with "
-    "lookup today (vLLM's pull request 24344, n-gram drafts with a model drafter's fallback, is open). Until one does: "
-    "serve the winner of the traffic that dominates, or run two servers of the same target, one with the drafter and "
-    "one with `ngram` (prompt lookup), and route edit and agent traffic to the second. Our own decoder "
-    "(`drafters.decoding.spec_decode.generate(..., lookup=...)`) runs the combination.")
-
-
 def _serving_section(report: dict) -> list[str]:
     """Per category and drafter: the drafter, the drafter with lookup, or prompt lookup, by tau."""
     drafters = [d["name"] for d in report["drafters"]]
@@ -135,8 +127,26 @@ def _serving_section(report: dict) -> list[str]:
             cells = " / ".join(_f(taus[m]) for m in (d, both, "prompt_lookup"))
             lines.append(f"| {cat} | {d} | {cells} | {label(report, best)} |")
     lines += ["", "By tau, the tokens each target pass commits; a drafter pass costs more than a lookup, so where "
-              "the drafter with lookup leads by a hair the speedup columns above decide. " + SERVING_ENGINES, ""]
+              "the drafter with lookup leads by a hair the speedup columns above decide. Which engine serves it: "
+              + COMBINATION_SERVING, ""]
     return lines
+
+
+def model_card_info(report: dict, drafter: str | None = None) -> dict:
+    """The export's model card figures from an eval report: per category, tau of the drafter (the first one unless
+    named), of the drafter with lookup and of prompt lookup."""
+    names = [d["name"] for d in report["drafters"]]
+    if not names or (drafter is not None and drafter not in names):
+        raise ValueError(f"the eval report has drafters {names}, not {drafter!r}" if names else "the eval report has no drafter")
+    drafter = drafter or names[0]
+    columns = {"tau": drafter, "with_lookup": f"{drafter}+lookup", "prompt_lookup": "prompt_lookup"}
+    info = {"target": report["target"]["path"]}
+    for key, method in columns.items():
+        taus = {c: s["methods"][method]["tau_mean"] for c, s in report["categories"].items()
+                if c != "all" and method in s["methods"] and s["methods"][method]["tau_mean"] is not None}
+        if taus:
+            info[key] = taus
+    return info
 
 
 def _sim_section(report: dict) -> list[str]:

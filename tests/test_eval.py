@@ -236,6 +236,14 @@ def test_random_drafter_end_to_end_report(smol, random_drafter, tmp_path):
     serve = md.split("## What to serve")[1].split("\n\n")[1].splitlines()
     assert [row.split("|")[1].strip() for row in serve[2:]] == ["code", "agentic", "all"]
     assert all(row.split("|")[4].strip() in ("rand+lookup", "prompt lookup") for row in serve[2:])  # rand: tau 1
+    # The export's model card takes the report: the drafter, the drafter with lookup and lookup, and what to serve.
+    assert cli(["export", str(random_drafter), str(tmp_path / "export"), "--dtype", "bf16",
+                "--model-card-info", str(out / "report.json")]) == 0
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "| category | drafter | drafter with lookup | prompt lookup | serve |" in card
+    rows = [line for line in card.splitlines() if line.startswith(("| code |", "| agentic |"))]
+    assert len(rows) == 2 and all(row.split("|")[5].strip() != "drafter" for row in rows)  # rand never wins
+    assert f"# DFlash drafter for {folder}" in card
     for name in ("tau_by_category.png", "slot_acceptance.png"):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC

@@ -27,6 +27,16 @@ from drafters.drafter.model import DFlashDrafter, DraftCache
 from drafters.target.frozen import FrozenTargetHead
 
 
+# Which engine serves the drafter with lookup (eval's report and the export's model card say it).
+COMBINATION_SERVING = (
+    "vLLM 0.32 and SGLang run one speculative method per server (vLLM: `dflash`, `ngram`, `suffix`, ...; SGLang: "
+    "`DFLASH`, `NGRAM`, ...), with no per-request choice, so neither serves the drafter with lookup today (vLLM's pull "
+    "request 24344, n-gram drafts with a model drafter's fallback, is open). Until one does: serve the winner of the "
+    "traffic that dominates, or run two servers of the same target, one with the drafter and one with `ngram` "
+    "(prompt lookup), and route edit and agent traffic to the second. Our own decoder "
+    "(`drafters.decoding.spec_decode.generate(..., lookup=...)`) runs the combination.")
+
+
 class Proposal(NamedTuple):
     drafts: list[int]
     # [len(drafts), V] the distribution each draft was sampled from (T > 0); None: the drafts were chosen,

@@ -18,8 +18,9 @@ from the files, before the folder is moved into place.
 
 --model-card-info: inline JSON or a path to a JSON file, e.g.
     {"target": "moonshotai/Kimi-K2-Instruct", "data": "regenerated chat + agent trajectories, 1.2M samples",
-     "tau": {"code": 5.84, "prose": 3.1}}
-It fills README.md inside the export (target, data summary, tau table, launch commands).
+     "tau": {"code": 5.84, "prose": 3.1}, "with_lookup": {"code": 6.1, "prose": 3.0}, "prompt_lookup": {...}}
+It fills README.md inside the export (target, data summary, tau table, launch commands). With "with_lookup" (the
+drafter with prompt lookup) or "prompt_lookup" taus the table says which of the three to serve per category.
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.atomic_files import atomic_folder, make_readable
+from drafters.decoding.proposers import COMBINATION_SERVING
 from drafters.drafter.checkpoint import find_drafter_folder
 from drafters.export import contract, fp8
 from drafters.export.contract import CONFIG_NAME, WEIGHTS_NAME, ContractError
 
 README_NAME = "README.md"
 EXPORT_DTYPES = ("fp8", "bf16")  # serving formats
+# Model card taus: the drafter alone, the drafter with prompt lookup, prompt lookup alone.
+TAU_KEYS = {"tau": "drafter", "with_lookup": "drafter with lookup", "prompt_lookup": "prompt lookup"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,9 +61,11 @@ def read_model_card_info(value: str | dict | None) -> dict:
             raise ValueError(f"--model-card-info is neither a JSON object nor a JSON file: {e}") from None
     if not isinstance(info, dict):
         raise ValueError(f"--model-card-info must be a JSON object, got {type(info).__name__}")
-    tau = info.get("tau", {})
-    if not isinstance(tau, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in tau.values()):
-        raise ValueError(f"--model-card-info: tau must map category -> number, got {tau!r}")
+    for key in TAU_KEYS:
+        tau = info.get(key, {})
+        if not isinstance(tau, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                for v in tau.values()):
+            raise ValueError(f"--model-card-info: {key} must map category -> number, got {tau!r}")
     return info
 
 
@@ -99,6 +105,24 @@ def vllm_command(target: str, out: str, cfg: dict) -> str:
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
+def tau_table(info: dict) -> list[str]:
+    """The drafter's tau per category; with the other methods' taus, which of them to serve."""
+    given = {key: info[key] for key in TAU_KEYS if info.get(key)}
+    if not given:
+        return ["Not measured.", ""]
+    if list(given) == ["tau"]:
+        return ["| category | tau |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in given["tau"].items()] + [""]
+    categories = list(dict.fromkeys(c for taus in given.values() for c in taus))
+    lines = ["| category | " + " | ".join(TAU_KEYS[k] for k in given) + " | serve |", "|---|" + "---|" * (len(given) + 1)]
+    for c in categories:
+        taus = {k: given[k].get(c) for k in given}
+        best = max((k for k in taus if taus[k] is not None), key=lambda k: taus[k])
+        cells = " | ".join("" if v is None else f"{v:.2f}" for v in taus.values())
+        lines.append(f"| {c} | {cells} | {TAU_KEYS[best]} |")
+    return lines + ["", "The drafter with lookup takes prompt lookup's draft where the context's last tokens recur "
+                    "earlier, the drafter's otherwise. " + COMBINATION_SERVING, ""]
+
+
 def model_card(cfg: dict, dtype: str, out: str, info: dict, sizes: dict) -> str:
     target = str(info.get("target") or "TARGET")
     extra = cfg["dflash_config"]
@@ -116,13 +140,9 @@ def model_card(cfg: dict, dtype: str, out: str, info: dict, sizes: dict) -> str:
               f"| block size | {cfg['block_size']} |",
               f"| mask token id | {extra['mask_token_id']} |", ""]
     lines += ["## Data", "", str(info.get("data") or "Not provided."), ""]
-    tau = info.get("tau") or {}
     lines += ["## Acceptance length (tau, tokens per target verify step, bonus token included)", ""]
-    if tau:
-        lines += ["| category | tau |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in tau.items()] + [""]
-    else:
-        lines += ["Not measured.", ""]
-    others = {k: v for k, v in info.items() if k not in ("target", "data", "tau")}
+    lines += tau_table(info)
+    others = {k: v for k, v in info.items() if k not in ("target", "data", *TAU_KEYS)}
     if others:
         lines += ["## Notes", ""] + [f"- {k}: {v}" for k, v in others.items()] + [""]
     lines += ["## Serve with SGLang", "", "```bash", sglang_command(target, out, cfg), "```", ""]

@@ -242,16 +242,24 @@ def final_drafter(name: str, run: Path) -> Path:
 
 
 def decode(drafters: dict[str, Path], args, out: Path) -> dict:
-    eval_dir = out / "eval"
+    """Held-out tau of every drafter by one decoder; with --resume, a finished decode of the same drafters is reused
+    (the figures are tau, which the machine's load does not change)."""
+    eval_dir, threads = out / "eval", args.decode_threads or args.threads
+    done = eval_dir / "report.json"
+    if args.resume and done.exists() and [d["name"] for d in json.loads(done.read_text())["drafters"]] == list(drafters):
+        print(f"[peers] decode: reusing {done}", flush=True)
+        return {"taus": read_taus(json.loads(done.read_text()), list(drafters)), "seconds": None,
+                "threads": None, "report": str(eval_dir / "report.md")}
     cmd = [sys.executable, "-m", "scripts.cli", "eval", "--config", args.config,
            *[f"--drafter={name}={path}" for name, path in drafters.items()], "--traces", args.traces,
            "--max-prompts", str(args.prompts), "--max-new-tokens", str(args.new_tokens),
-           "--reference-subset", "0", "--threads", str(args.threads), "--out", str(eval_dir), *args.overrides]
-    measured = run_measured(cmd, out / "eval.log", args.threads, timeout=6 * 3600)
+           "--reference-subset", "0", "--threads", str(threads), "--out", str(eval_dir), *args.overrides]
+    measured = run_measured(cmd, out / "eval.log", threads, timeout=6 * 3600)
     if measured["returncode"] != 0:
         raise RuntimeError(f"dflash-pipeline eval exited with {measured['returncode']}; see {out / 'eval.log'}")
-    taus = read_taus(json.loads((eval_dir / "report.json").read_text()), list(drafters))
-    return {"taus": taus, "seconds": round(measured["wall_seconds"], 1), "report": str(eval_dir / "report.md")}
+    taus = read_taus(json.loads(done.read_text()), list(drafters))
+    return {"taus": taus, "seconds": round(measured["wall_seconds"], 1), "threads": threads,
+            "report": str(eval_dir / "report.md")}
 
 
 def read_taus(report: dict, names: list[str]) -> dict:
@@ -272,7 +280,7 @@ def learning_curves(runs: dict[str, Path], target: str, args, out: Path) -> str:
     cmd = [sys.executable, "-m", "bench.bench_learning_curve", *[f"{name}={run}" for name, run in runs.items()],
            "--target", target,
            "--out", str(out / "curve"), "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens)]
-    measured = run_measured(cmd, out / "curve.log", args.threads, timeout=6 * 3600)
+    measured = run_measured(cmd, out / "curve.log", args.decode_threads or args.threads, timeout=6 * 3600)
     if measured["returncode"] != 0:
         raise RuntimeError(f"bench_learning_curve exited with {measured['returncode']}; see {out / 'curve.log'}")
     return str(out / "curve")
@@ -331,6 +339,9 @@ def main(argv=None) -> None:
     parser.add_argument("--specforge-python", default=PEER_PYTHON["specforge"])
     parser.add_argument("--speculators-python", default=PEER_PYTHON["speculators"])
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--decode-threads", type=int, default=None,
+                        help="threads of the decode and the curves (default --threads): tau does not depend on them, "
+                             "so a shared machine can decode on fewer")
     parser.add_argument("--calibration-steps", default="ours=40,specforge=6,speculators=4",
                         help="steps of each trainer's calibration run")
     parser.add_argument("--peer-anchors", type=int, default=512,

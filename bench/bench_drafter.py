@@ -76,8 +76,7 @@ def bench(dtype: torch.dtype, contexts, anchors: int, reps: int) -> dict:
             def infer_step(with_head: bool):
                 # 3 accepted tokens' features + one block; crop back so every rep sees the same context.
                 hidden = drafter.step(feats[:, t - 4 : t - 1], blk, t - 1, cache)
-                for i in range(len(cache.keys)):
-                    cache.keys[i], cache.values[i] = cache.keys[i][:, :, : t - 4], cache.values[i][:, :, : t - 4]
+                cache.crop(t - 4)
                 if with_head:
                     head.logits(hidden[:, 1:]).argmax(-1)
 

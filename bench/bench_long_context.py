@@ -28,7 +28,7 @@ Per length:
   compared with the target's own greedy output token for token, and the prompts that differ are counted.
 - cost, on the first prompt: one `DFlashDrafter.step` with the drafter's cache holding L context positions
   (L - 1 in the cache, plus the prompt's last token added by the step, as a decode step adds the tokens accepted
-  since the last one: the cache's concatenation is part of the cost); the whole proposal (the step plus the
+  since the last one); the whole proposal (the step plus the
   target's vocabulary projection of the block, `DFlashProposer.propose`); and the target's verify pass of the
   block [anchor, drafts] over its KV cache of L positions, with the feature capture a DFlash decode runs. Each is
   the median of --repeats calls after --warmup calls.
@@ -40,6 +40,7 @@ Writes long_context.json and long_context.md under --out and prints the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -50,6 +51,10 @@ import torch
 DRAFTER = "drafter"
 TAU_DROP_LIMIT = 0.10   # the issue's trigger: tau at the longest length more than 10% below the shortest's
 STEP_COST_LIMIT = 2.0   # the issue's trigger: a draft step at the longest length over 2x the shortest's
+
+
+def parse_windows(text: str) -> list[int | None]:
+    return [None if part.strip().lower() in ("none", "full") else int(part) for part in text.split(",") if part.strip()]
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -121,15 +126,6 @@ def median_ms(call, repeats: int, warmup: int, after=None) -> float:
     return 1000 * statistics.median(times)
 
 
-def copy_of(cache):
-    """A DraftCache holding the same tensors: a step extends the copy by concatenation, never the tensors."""
-    from drafters.drafter.model import DraftCache
-
-    copy = DraftCache()
-    copy.keys, copy.values = list(cache.keys), list(cache.values)
-    return copy
-
-
 @torch.no_grad()
 def step_costs(drafter, head, target, prompt_ids: list[int], repeats: int, warmup: int) -> dict:
     """Median ms of a draft step, a whole proposal and a verify pass, with L = len(prompt_ids) context positions."""
@@ -158,15 +154,20 @@ def step_costs(drafter, head, target, prompt_ids: list[int], repeats: int, warmu
         context = np.array(prompt_ids + [anchor], dtype=np.int64)
 
         def propose():
-            proposer.cache, proposer.pending = copy_of(filled), newest
+            proposer.cache, proposer.pending = filled, newest
             return proposer.propose(context, size - 1, 0.0, None)
 
+        def forget_newest():  # every repetition sees the same L - 1 cached positions
+            filled.crop(length - 1)
+
         drafts = propose().drafts
+        forget_newest()
         verify_ids = torch.tensor([[anchor] + drafts])
         positions = torch.arange(length, length + verify_ids.shape[1])[None]
         return {
-            "draft_step_ms": median_ms(lambda: drafter.step(newest, block, length, copy_of(filled)), repeats, warmup),
-            "proposal_ms": median_ms(propose, repeats, warmup),
+            "draft_step_ms": median_ms(lambda: drafter.step(newest, block, length, filled), repeats, warmup,
+                                       after=forget_newest),
+            "proposal_ms": median_ms(propose, repeats, warmup, after=forget_newest),
             "verify_ms": median_ms(lambda: runner.run(verify_ids, target_cache, positions), repeats, warmup,
                                    after=lambda: crop_cache(target_cache, length)),
             "draft_cache_positions": filled.length + 1,
@@ -176,15 +177,34 @@ def step_costs(drafter, head, target, prompt_ids: list[int], repeats: int, warmu
         runner.close()
 
 
-def decode_methods(drafter, head, target, prompt_ids: list[int], max_new_tokens: int, stop_ids, lookup_draft: int) -> dict:
-    """The target alone (the greedy truth), prompt lookup and the drafter on one prompt, in that order."""
+def decode_methods(drafter, head, target, prompt_ids: list[int], max_new_tokens: int, stop_ids, lookup_draft: int,
+                   windows: list[int | None]) -> dict:
+    """The target alone (the greedy truth), prompt lookup and the drafter under each window on one prompt."""
     from drafters.decoding.spec_decode import generate, lookup_generate, target_generate
     from eval.measures import LOOKUP, TARGET
 
     prompt = torch.tensor([prompt_ids])
-    return {TARGET: target_generate(target, prompt, max_new_tokens, stop_ids),
-            LOOKUP: lookup_generate(target, prompt, max_new_tokens, stop_ids, num_draft=lookup_draft),
-            DRAFTER: generate(drafter, target, prompt, max_new_tokens, stop_ids, head=head)}
+    decoded = {TARGET: target_generate(target, prompt, max_new_tokens, stop_ids),
+               LOOKUP: lookup_generate(target, prompt, max_new_tokens, stop_ids, num_draft=lookup_draft)}
+    for window in windows:
+        with windowed(drafter, window):
+            decoded[drafter_name(window)] = generate(drafter, target, prompt, max_new_tokens, stop_ids, head=head)
+    return decoded
+
+
+def drafter_name(window: int | None) -> str:
+    return DRAFTER if window is None else f"{DRAFTER}@{window}"
+
+
+@contextlib.contextmanager
+def windowed(drafter, window: int | None):
+    """The same weights with another draft attention window (None: as the drafter was saved)."""
+    saved = drafter.sliding_window
+    drafter.sliding_window = window if window is not None else saved
+    try:
+        yield
+    finally:
+        drafter.sliding_window = saved
 
 
 def pooled_tau(runs: list) -> float:
@@ -192,61 +212,74 @@ def pooled_tau(runs: list) -> float:
     return sum(steps) / max(len(steps), 1)
 
 
-def measure_length(models: dict, pieces: list, ends: list[int], requested: int, length: int, args) -> dict:
+def measure_length(models: dict, pieces: list, ends: list[int], requested: int, length: int, args) -> list[dict]:
+    """One row per draft attention window at this length (the target and prompt lookup decode once)."""
     from eval.measures import LOOKUP, TARGET, first_difference, mismatch
 
-    runs = {TARGET: [], LOOKUP: [], DRAFTER: []}
+    names = [drafter_name(w) for w in args.windows]
+    runs = {TARGET: [], LOOKUP: [], **{name: [] for name in names}}
     prompts, mismatches = [], []
     for end in ends:
         ids, meta = long_prompt(pieces, end, length)
         decoded = decode_methods(models["drafter"], models["head"], models["target"], ids, args.max_new_tokens,
-                                 models["stop_ids"], models["lookup_draft"])
+                                 models["stop_ids"], models["lookup_draft"], args.windows)
         truth = decoded[TARGET].tokens
         for method, result in decoded.items():
             runs[method].append(result)
             diff = first_difference(truth, result.tokens)
             if method != TARGET and diff is not None:
                 mismatches.append(mismatch(method, f"L{length}", meta["ends_with"], truth, result.tokens, diff))
-        prompts.append({**meta, "new_tokens": len(truth), "drafter_tau": round(decoded[DRAFTER].tau, 4),
-                        "lookup_tau": round(decoded[LOOKUP].tau, 4),
-                        "drafter_acceptance": decoded[DRAFTER].acceptance_lengths})
-        print(f"[L={length}] {meta['ends_with']}: {len(truth)} new tokens, drafter tau {decoded[DRAFTER].tau:.2f}, "
-              f"lookup tau {decoded[LOOKUP].tau:.2f}", flush=True)
+        prompts.append({**meta, "new_tokens": len(truth), "lookup_tau": round(decoded[LOOKUP].tau, 4),
+                        **{f"{name}_tau": round(decoded[name].tau, 4) for name in names},
+                        **{f"{name}_acceptance": decoded[name].acceptance_lengths for name in names}})
+        print(f"[L={length}] {meta['ends_with']}: {len(truth)} new tokens, lookup tau {decoded[LOOKUP].tau:.2f}, "
+              + ", ".join(f"{name} tau {decoded[name].tau:.2f}" for name in names), flush=True)
     first_ids, _ = long_prompt(pieces, ends[0], length)
-    costs = step_costs(models["drafter"], models["head"], models["target"], first_ids, args.repeats, args.warmup)
     target_steps = sum(len(r.acceptance_lengths) for r in runs[TARGET])
-    row = {"requested_length": requested, "length": length,
-           "drafter_tau": round(pooled_tau(runs[DRAFTER]), 4), "lookup_tau": round(pooled_tau(runs[LOOKUP]), 4),
-           "drafter_steps": sum(len(r.acceptance_lengths) for r in runs[DRAFTER]),
-           "new_tokens": sum(len(r.tokens) for r in runs[TARGET]),
-           "drafter_mismatches": sum(m["method"] == DRAFTER for m in mismatches),
-           "lookup_mismatches": sum(m["method"] == LOOKUP for m in mismatches),
-           "target_decode_ms_per_token": round(1000 * sum(r.decode_seconds for r in runs[TARGET]) / max(target_steps, 1), 3),
-           **{k: round(v, 3) if isinstance(v, float) else v for k, v in costs.items()},
-           "prompts": prompts, "mismatches": mismatches}
-    print(f"[L={length}] draft step {row['draft_step_ms']:.2f} ms, proposal {row['proposal_ms']:.2f} ms, "
-          f"verify {row['verify_ms']:.2f} ms", flush=True)
-    return row
+    rows = []
+    for window, name in zip(args.windows, names):
+        with windowed(models["drafter"], window):
+            costs = step_costs(models["drafter"], models["head"], models["target"], first_ids, args.repeats, args.warmup)
+        rows.append({"window": window, "requested_length": requested, "length": length,
+                     "drafter_tau": round(pooled_tau(runs[name]), 4), "lookup_tau": round(pooled_tau(runs[LOOKUP]), 4),
+                     "drafter_steps": sum(len(r.acceptance_lengths) for r in runs[name]),
+                     "new_tokens": sum(len(r.tokens) for r in runs[TARGET]),
+                     "drafter_mismatches": sum(m["method"] == name for m in mismatches),
+                     "lookup_mismatches": sum(m["method"] == LOOKUP for m in mismatches),
+                     "target_decode_ms_per_token": round(1000 * sum(r.decode_seconds for r in runs[TARGET])
+                                                         / max(target_steps, 1), 3),
+                     **{k: round(v, 3) if isinstance(v, float) else v for k, v in costs.items()},
+                     "prompts": prompts, "mismatches": [m for m in mismatches if m["method"] in (name, LOOKUP)]})
+        print(f"[L={length}] {name}: draft step {costs['draft_step_ms']:.2f} ms, proposal {costs['proposal_ms']:.2f} ms, "
+              f"verify {costs['verify_ms']:.2f} ms", flush=True)
+    return rows
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each row's figures over the shortest length's."""
-    base = rows[0]
-    for row in rows:
-        for key in ("drafter_tau", "lookup_tau", "draft_step_ms", "proposal_ms", "verify_ms"):
-            row[f"{key}_ratio"] = round(row[key] / base[key], 4) if base[key] else None
+    """Each row's figures over the shortest length's under the same window."""
+    for window in dict.fromkeys(r["window"] for r in rows):
+        group = [r for r in rows if r["window"] == window]
+        base = group[0]
+        for row in group:
+            for key in ("drafter_tau", "lookup_tau", "draft_step_ms", "proposal_ms", "verify_ms"):
+                row[f"{key}_ratio"] = round(row[key] / base[key], 4) if base[key] else None
 
 
 def triggers(rows: list[dict]) -> dict:
-    """The issue's two conditions for a sliding window, longest length against shortest."""
-    short, long = rows[0], rows[-1]
-    tau_drop = 1 - long["drafter_tau"] / short["drafter_tau"] if short["drafter_tau"] else None
-    step_ratio = long["draft_step_ms_ratio"]
-    return {"compared_lengths": [short["length"], long["length"]],
+    """The issue's two conditions for a sliding window, longest length against shortest, per window."""
+    fired = {}
+    for window in dict.fromkeys(r["window"] for r in rows):
+        group = [r for r in rows if r["window"] == window]
+        short, long = group[0], group[-1]
+        tau_drop = 1 - long["drafter_tau"] / short["drafter_tau"] if short["drafter_tau"] else None
+        step_ratio = long["draft_step_ms_ratio"]
+        fired[drafter_name(window)] = {
+            "compared_lengths": [short["length"], long["length"]],
             "tau_drop": None if tau_drop is None else round(tau_drop, 4),
             "tau_trigger": tau_drop is not None and tau_drop > TAU_DROP_LIMIT,
             "draft_step_ratio": step_ratio,
             "cost_trigger": step_ratio is not None and step_ratio > STEP_COST_LIMIT}
+    return fired
 
 
 def cell(row: dict, key: str, digits: int = 3) -> str:
@@ -256,20 +289,20 @@ def cell(row: dict, key: str, digits: int = 3) -> str:
 
 
 def table(rows: list[dict], fired: dict) -> str:
-    header = ("| length | drafter tau (x shortest) | lookup tau (x) | mismatches drafter / lookup | draft step ms (x) "
-              "| proposal ms (x) | verify ms (x) | target ms/token |")
-    lines = [header, "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    header = ("| window | length | drafter tau (x shortest) | lookup tau (x) | mismatches drafter / lookup "
+              "| draft step ms (x) | proposal ms (x) | verify ms (x) | target ms/token |")
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['length']} | {cell(r, 'drafter_tau')} | {cell(r, 'lookup_tau')} "
+        lines.append(f"| {r['window'] or 'full'} | {r['length']} | {cell(r, 'drafter_tau')} | {cell(r, 'lookup_tau')} "
                      f"| {r['drafter_mismatches']} / {r['lookup_mismatches']} | {cell(r, 'draft_step_ms', 2)} "
                      f"| {cell(r, 'proposal_ms', 2)} | {cell(r, 'verify_ms', 2)} | {r['target_decode_ms_per_token']:.2f} |")
-    short, long = fired["compared_lengths"]
-    drop = "-" if fired["tau_drop"] is None else f"{fired['tau_drop']:+.1%}"
-    verdict = (f"{long} against {short}: tau drop {drop} (trigger above "
-               f"{TAU_DROP_LIMIT:.0%}: {'FIRES' if fired['tau_trigger'] else 'no'}); draft step x"
-               f"{fired['draft_step_ratio']:.2f} (trigger above x{STEP_COST_LIMIT:g}: "
-               f"{'FIRES' if fired['cost_trigger'] else 'no'}).")
-    lines += ["", verdict]
+    lines.append("")
+    for name, f in fired.items():
+        short, long = f["compared_lengths"]
+        drop = "-" if f["tau_drop"] is None else f"{f['tau_drop']:+.1%}"
+        lines.append(f"- {name}, {long} against {short}: tau drop {drop} (trigger above {TAU_DROP_LIMIT:.0%}: "
+                     f"{'FIRES' if f['tau_trigger'] else 'no'}); draft step x{f['draft_step_ratio']:.2f} (trigger above "
+                     f"x{STEP_COST_LIMIT:g}: {'FIRES' if f['cost_trigger'] else 'no'}).")
     return "\n".join(lines) + "\n"
 
 
@@ -310,6 +343,8 @@ def main(argv=None) -> None:
     parser.add_argument("--target", default=None, help="target folder (default: the testbed target)")
     parser.add_argument("--lengths", type=parse_lengths, default=parse_lengths("1024,2048,4096,8192"))
     parser.add_argument("--prompts", type=int, default=4, help="prompts per length")
+    parser.add_argument("--windows", type=parse_windows, default=[None],
+                        help="draft attention windows to compare, e.g. none,1024 (none: as the drafter was saved)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per cost (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before them")
@@ -329,8 +364,10 @@ def main(argv=None) -> None:
     print(f"[long-context] {len(pieces)} distinct requests ({sum(p.num_tokens for p in pieces)} tokens); prompts end "
           f"with {[pieces[i].id for i in ends]}; {torch.get_num_threads()} threads", flush=True)
     started = time.perf_counter()
-    rows = [measure_length(models, pieces, ends, requested, fitted_length(requested, max_positions, args.max_new_tokens), args)
-            for requested in args.lengths]
+    rows = [row for requested in args.lengths
+            for row in measure_length(models, pieces, ends, requested,
+                                      fitted_length(requested, max_positions, args.max_new_tokens), args)]
+    rows.sort(key=lambda r: (r["window"] is not None, r["window"] or 0, r["length"]))
     add_ratios(rows)
     fired = triggers(rows)
     markdown = table(rows, fired)

@@ -91,6 +91,10 @@ class DrafterConfig(Strict):
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float | None = None
+    # Draft attention over the last W positions only (a query at p sees keys after p - W, as vLLM and the reference
+    # count), so a draft step's cost stops growing with the context. Written to config.json as vLLM reads it
+    # (dflash_config.use_swa / swa_window_size); None: full attention.
+    sliding_window: int | None = Field(None, ge=2)
 
 
 DEFAULT_WEIGHTS = {"code": 0.5, "prose": 0.2, "chat": 0.3}

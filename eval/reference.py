@@ -8,6 +8,10 @@ temporary reference-format folder and loaded from there, so both decoders run th
 The reference times itself with ``_cuda_time`` (``torch.cuda.synchronize()`` + ``perf_counter``); on a
 machine without CUDA that attribute of the reference module is replaced by ``time.perf_counter`` for the
 duration of a call (:func:`cpu_timing`) and restored afterwards. It is not our code and is never edited.
+
+A drafter with a sliding window declares it as vLLM reads it (``dflash_config.use_swa``); the reference reads a
+window from Qwen3's ``layer_types`` / ``sliding_window`` and ``is_causal`` instead, so those are set on its config
+(non-causal, as the drafter is trained and as vLLM serves it).
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from pathlib import Path
 
 import torch
 
+from transformers import Qwen3Config
+
 from drafters.decoding.spec_decode import Decoded
 from drafters.drafter.checkpoint import save_drafter
+from drafters.drafter.model import draft_window
 
 
 def reference_module():
@@ -52,18 +59,29 @@ def load_reference_model(folder: str | Path, dtype: torch.dtype, *, fp8: bool = 
     of ``ours`` (our loaded drafter) are written to a temporary folder first."""
     reference = reference_module()
     if not fp8:
-        model = reference.DFlashDraftModel.from_pretrained(str(folder), dtype=dtype)
+        model = reference.DFlashDraftModel.from_pretrained(str(folder), config=reference_config(folder), dtype=dtype)
     else:
         if ours is None:
             raise ValueError("an FP8 export needs our dequantized drafter to build the reference copy")
 
         with tempfile.TemporaryDirectory(prefix="dflash-ref-") as tmp:
             path = save_drafter(ours, Path(tmp) / "drafter", dtype=dtype)
-            model = reference.DFlashDraftModel.from_pretrained(str(path), dtype=dtype)
+            model = reference.DFlashDraftModel.from_pretrained(str(path), config=reference_config(path), dtype=dtype)
             model = model.to(dtype)  # materialize before the temporary folder goes away
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def reference_config(folder: str | Path) -> Qwen3Config:
+    """The drafter's config, with its sliding window (if any) where the reference reads one."""
+    config = Qwen3Config.from_pretrained(str(folder))
+    window = draft_window(config)
+    if window is not None:  # set after Qwen3Config's own checks, which drop a window use_sliding_window does not ask for
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        config.sliding_window = window
+        config.is_causal = False
+    return config
 
 
 def reference_generate(model, target, input_ids: torch.Tensor, max_new_tokens: int, stop_ids=None,

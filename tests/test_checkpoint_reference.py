@@ -31,8 +31,9 @@ def smol():
     return folder, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
 
 
-def random_drafter(target_config, block_size=16, seed=0):
-    config = build_draft_config(DrafterConfig(num_layers=2, block_size=block_size), target_config, SMOL_MASK)
+def random_drafter(target_config, block_size=16, seed=0, sliding_window=None):
+    config = build_draft_config(DrafterConfig(num_layers=2, block_size=block_size, sliding_window=sliding_window),
+                                target_config, SMOL_MASK)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config).eval()
     with torch.no_grad():  # norms away from 1 so that a swapped norm weight would show
@@ -91,6 +92,37 @@ def test_saved_checkpoint_loads_in_reference_and_logits_match(smol, tmp_path):
         ours_step = head.logits(drafter.step(features[:, :a], block, a, DraftCache())[:, 1:])
         torch.testing.assert_close(ours_step, their_logits, atol=TOL, rtol=TOL)
         torch.testing.assert_close(head.logits(ours_train[:, n, 1:]), their_logits, atol=TOL, rtol=TOL)
+
+
+@torch.no_grad()
+def test_sliding_window_matches_the_reference_and_vllms_reading(smol, tmp_path):
+    """A window of 20 over a 40-token context: our decode step, our training forward and the reference (its window
+    set by eval.reference.reference_config) give the same logits; config.json says it as vLLM reads it."""
+    folder, target_config, _ = smol
+    drafter = random_drafter(target_config, sliding_window=20)
+    out = save_drafter(drafter, tmp_path / "windowed")
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"]["use_swa"] is True and config["dflash_config"]["swa_window_size"] == 20
+    assert set(config.get("layer_types") or ["full_attention"]) == {"full_attention"}  # SGLang would serve it causally
+    from eval.reference import reference_config
+
+    ref = reference.DFlashDraftModel.from_pretrained(out, config=reference_config(out), dtype=torch.float32).eval()
+    full = random_drafter(target_config)  # the same weights without the window
+    head = FrozenTargetHead.from_pretrained(folder, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 40, 5 * 576, generator=g)
+    ids = torch.randint(0, 49152, (1, 40), generator=g)
+    anchors = torch.tensor([[7, 30]])
+    ours_train = drafter(features, ids, anchors, head.embed)
+    for n, a in enumerate(anchors[0].tolist()):
+        block = head.embed(block_input_ids(ids, torch.tensor([[a]]), 16, SMOL_MASK)[:, 0])
+        theirs = ref(position_ids=torch.arange(a + 16)[None], noise_embedding=block, target_hidden=features[:, :a])
+        their_logits = ref.compute_logits(theirs[:, 1:], head.lm_head)
+        ours_step = head.logits(drafter.step(features[:, :a], block, a, DraftCache())[:, 1:])
+        torch.testing.assert_close(ours_step, their_logits, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(head.logits(ours_train[:, n, 1:]), their_logits, atol=TOL, rtol=TOL)
+        unwindowed = head.logits(full.step(features[:, :a], block, a, DraftCache())[:, 1:])
+        assert torch.equal(unwindowed, ours_step) == (a + 16 <= 20)  # the window changes the far block only
 
 
 def test_round_trip_and_atomic_overwrite(smol, tmp_path):

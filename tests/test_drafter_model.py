@@ -185,6 +185,31 @@ def test_inference_cache_holds_context_only(parts):
         drafter.step(feats[:, 9:11], block, 12, cache)
 
 
+@torch.no_grad()
+def test_windowed_cache_forgets_and_matches_a_fresh_step():
+    """Window 7 (block 4): a decode that commits 3 tokens a step for 40 steps drops the positions no query sees
+    (the buffers stay small) and every step equals a fresh step over the whole context."""
+    torch.manual_seed(0)
+    cfg = build_draft_config(DrafterConfig(num_layers=2, block_size=B, num_target_features=K, sliding_window=7),
+                             tiny_target_config(), MASK)
+    drafter = DFlashDrafter(cfg).eval()
+    embed = torch.nn.Embedding(VOCAB, H)
+    feats, ids = inputs(bsz=1, t=130)
+    cache = DraftCache()
+    start = 5
+    drafter.step(feats[:, :start], embed(block_input_ids(ids, torch.tensor([[start]]), B, MASK)[:, 0]), start, cache)
+    for _ in range(40):
+        block = embed(block_input_ids(ids, torch.tensor([[start + 3]]), B, MASK)[:, 0])
+        incremental = drafter.step(feats[:, start:start + 3], block, start + 3, cache)
+        start += 3
+        fresh = drafter.step(feats[:, :start], block, start, DraftCache())
+        torch.testing.assert_close(incremental, fresh, atol=TOL, rtol=TOL)
+    assert cache.length == start and cache.first == start - 7 + 1
+    assert cache.keys[0].shape[2] <= 64 and cache.base > 0  # forgotten positions were reclaimed
+    with pytest.raises(ValueError, match="forgotten"):
+        cache.crop(cache.first - 1)
+
+
 def test_training_forward_backward_and_bf16(parts):
     drafter, embed = parts
     feats, ids = inputs()

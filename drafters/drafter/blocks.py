@@ -23,16 +23,21 @@ def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: 
     return ids
 
 
-def training_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+def training_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int,
+                            window: int | None = None) -> torch.Tensor:
     """Boolean SDPA mask [Bsz, 1, N*B, context_len + N*B] (True = may attend).
 
     Keys are [context positions 0..context_len-1 ; all N blocks' slots in order]. A query in block n
-    sees context positions < anchors[n] and the B slots of block n, nothing else.
+    sees context positions < anchors[n] and the B slots of block n, nothing else; with a sliding window, only the
+    context positions after its own position - window (as vLLM and the reference count).
     """
     bsz, n = anchors.shape
     query_anchor = anchors.repeat_interleave(block_size, dim=1)  # [Bsz, N*B]
     context = torch.arange(context_len, device=anchors.device)
     sees_context = context[None, None, :] < query_anchor[:, :, None]  # [Bsz, N*B, ctx]
+    if window is not None:
+        query_position = query_anchor + torch.arange(block_size, device=anchors.device).repeat(n)
+        sees_context &= query_position[:, :, None] - context[None, None, :] < window
     block_id = torch.arange(n, device=anchors.device).repeat_interleave(block_size)
     sees_block = (block_id[:, None] == block_id[None, :]).expand(bsz, -1, -1)  # [Bsz, N*B, N*B]
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
@@ -48,14 +53,15 @@ class BlockAttention:
     context is about as long as its queries need; any order stays correct, only slower.
     """
 
-    def __init__(self, anchors: torch.Tensor, context_len: int, block_size: int, group_blocks: int = 16):
-        self.anchors, self.context_len, self.block_size = anchors, context_len, block_size
+    def __init__(self, anchors: torch.Tensor, context_len: int, block_size: int, group_blocks: int = 16,
+                 window: int | None = None):
+        self.anchors, self.context_len, self.block_size, self.window = anchors, context_len, block_size, window
         self.groups = []  # (query rows, context length, mask)
         for start in range(0, anchors.shape[1], group_blocks):
             group = anchors[:, start : start + group_blocks]
             seen = min(max(int(group.max()), 0), context_len)
             rows = slice(start * block_size, (start + group.shape[1]) * block_size)
-            self.groups.append((rows, seen, training_attention_mask(group, seen, block_size)))
+            self.groups.append((rows, seen, training_attention_mask(group, seen, block_size, window)))
 
     def __call__(self, q, context_k, context_v, block_k, block_v, enable_gqa: bool) -> torch.Tensor:
         """q [Bsz, heads, N*B, d]; context_k/v [Bsz, kv, ctx, d]; block_k/v [Bsz, kv, N*B, d] -> [Bsz, heads, N*B, d]."""
@@ -74,7 +80,10 @@ class BlockAttention:
         query = q[:, head, rows].float()  # [Bsz, N, d]
         scale = query.shape[-1] ** -0.5
         context = (query @ context_k[:, kv_head].float().transpose(-1, -2)) * scale  # [Bsz, N, ctx]
-        visible = torch.arange(context.shape[-1], device=q.device) < self.anchors[..., None]
+        positions = torch.arange(context.shape[-1], device=q.device)
+        visible = positions < self.anchors[..., None]
+        if self.window is not None:
+            visible &= (self.anchors[..., None] + slot) - positions < self.window
         context = context.masked_fill(~visible, float("-inf"))
         own_block = block_k[:, kv_head].float().view(bsz, n, self.block_size, -1)
         block = (own_block @ query[..., None]).squeeze(-1) * scale  # [Bsz, N, B]

@@ -11,7 +11,7 @@ import re
 from transformers import Qwen3Config
 
 from configs.schema import DrafterConfig
-from drafters.drafter.model import dflash_settings
+from drafters.drafter.model import dflash_settings, draft_window
 
 
 def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -133,12 +133,19 @@ def build_draft_config(cfg: DrafterConfig, target_config, mask_token_id: int, dt
         architectures=["DFlashDraftModel"],
         num_target_layers=target.num_hidden_layers,
         block_size=cfg.block_size,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in layer_ids]},
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in layer_ids],
+                       **window_settings(cfg.sliding_window)},
     )
     if dtype is not None:
         config.dtype = dtype
     validate_target(config, target_config)
     return config
+
+
+def window_settings(window: int | None) -> dict:
+    """dflash_config's sliding-window keys as vLLM reads them (``use_swa`` makes every layer a windowed,
+    non-causal one); the Qwen3 ``layer_types`` stay full attention, which SGLang would serve causally otherwise."""
+    return {} if window is None else {"use_swa": True, "swa_window_size": int(window)}
 
 
 def validate_target(draft_config, target_config) -> None:
@@ -151,6 +158,10 @@ def validate_target(draft_config, target_config) -> None:
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
     if bad:
         raise ValueError(f"target_layer_ids {bad} out of range for a target with num_hidden_layers {num_layers} (ids must be 0..{num_layers - 1})")
+    window = draft_window(draft_config)
+    block_size = dflash_settings(draft_config)[2]
+    if window is not None and window <= block_size:
+        raise ValueError(f"sliding window {window} must be larger than the block size {block_size}")
     if mask_token_id is None or not 0 <= mask_token_id < target.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} is not below the target vocab_size {target.vocab_size}")
     declared = getattr(draft_config, "num_target_layers", None)

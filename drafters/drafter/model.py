@@ -9,7 +9,7 @@ state dict holds exactly the reference checkpoint's names.
 Two entry points share the same layers:
   forward: training; N anchored blocks per sequence in one pass, masked as in drafters.drafter.blocks. Call the
            module (drafter(features, input_ids, anchors, embed)), so DDP/accelerate wrappers see it.
-  step:          inference; a DraftCache holds context K/V only, block K/V are never stored.
+  step:          inference; a DraftCache holds context K/V only, block K/V are never committed.
 """
 
 from __future__ import annotations
@@ -82,9 +82,10 @@ class DraftAttention(nn.Module):
         v = self._heads(self.v_proj(h), self.n_kv_heads).transpose(1, 2)
         return apply_rope(k, *rope), v
 
-    def forward(self, x, rope, prefix_k, prefix_v, blocks: BlockAttention | None = None, return_qk=False):
+    def forward(self, x, rope, prefix_k, prefix_v, blocks=None, return_qk=False):
         """x [B, Lq, H] block tokens at positions given by rope; prefix_k/v: the context's K/V.
-        blocks: the training forward's N anchored blocks (None: x is one block that sees all the context).
+        blocks: how the block attends: the training forward's N anchored blocks (BlockAttention), a decode step's
+        (StepAttention), or None: x is one block that sees all the context.
         return_qk: also return the queries and the block's own keys (for the copy loss)."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(1, 2), *rope)
         k, v = self.keys_values(x, rope)
@@ -105,7 +106,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, prefix_k, prefix_v, blocks: BlockAttention | None = None, return_qk=False):
+    def forward(self, x, rope, prefix_k, prefix_v, blocks=None, return_qk=False):
         attended = self.self_attn(self.input_layernorm(x), rope, prefix_k, prefix_v, blocks, return_qk)
         if return_qk:
             attended, q, k = attended
@@ -115,24 +116,101 @@ class DraftLayer(nn.Module):
 
 
 class DraftCache:
-    """Per-layer context keys/values of the draft model. Only context goes in; blocks never do."""
+    """Per-layer context keys/values of the draft model. Only context is committed; a step's block keys/values are
+    written after it for that step's attention (``with_block``) and overwritten by the next step.
+
+    The keys/values live in buffers that grow by doubling, so a step appends its new context and joins its block
+    without copying what the cache holds: at 8K context a copy per step would cost more than the attention. With a
+    sliding window the positions no later query sees are forgotten (``forget_before``) and the buffers stay about
+    two windows long."""
 
     def __init__(self):
-        self.keys: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor] = []    # [B, kv_heads, capacity, d]; index 0 holds position self.base
         self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []          # per layer: positions committed (absolute)
+        self.base = 0                         # absolute position of buffer index 0
+        self.first = 0                        # first position still attended to
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        return self.lengths[0] if self.lengths else 0
 
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def _room(self, layer: int, like: torch.Tensor, end: int) -> None:
+        needed = end - self.base
         if layer == len(self.keys):
-            self.keys.append(k)
-            self.values.append(v)
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-        return self.keys[layer], self.values[layer]
+            shape = (*like.shape[:2], max(needed, 64), like.shape[-1])
+            self.keys.append(like.new_empty(shape))
+            self.values.append(like.new_empty(shape))
+            self.lengths.append(self.base)
+        elif self.keys[layer].shape[2] < needed:
+            kept = self.lengths[layer] - self.base
+            capacity = max(needed, 2 * self.keys[layer].shape[2])
+            for buffers in (self.keys, self.values):
+                grown = buffers[layer].new_empty((*buffers[layer].shape[:2], capacity, buffers[layer].shape[-1]))
+                grown[:, :, :kept] = buffers[layer][:, :, :kept]
+                buffers[layer] = grown
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.lengths[layer] if layer < len(self.lengths) else self.base
+        end = start + k.shape[2]
+        self._room(layer, k, end)
+        self.keys[layer][:, :, start - self.base:end - self.base] = k
+        self.values[layer][:, :, start - self.base:end - self.base] = v
+        visible = slice(self.first - self.base, end - self.base)
+        return end, self.keys[layer][:, :, visible], self.values[layer][:, :, visible]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit new context keys/values [B, kv_heads, n, d]; returns the layer's attended context (views)."""
+        end, keys, values = self._write(layer, k, v)
+        self.lengths[layer] = end
+        return keys, values
+
+    def with_block(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[attended context ; block] keys/values (views) for one step's attention; the block is not committed."""
+        _, keys, values = self._write(layer, k, v)
+        return keys, values
+
+    def forget_before(self, position: int) -> None:
+        """No query will attend before ``position``: stop returning it, and reclaim the room once it is half the
+        buffer (one copy of what is kept, so the cost per position stays constant)."""
+        self.first = max(self.first, min(position, self.length))
+        if self.keys and self.first - self.base > self.keys[0].shape[2] // 2:
+            drop = self.first - self.base
+            for buffers in (self.keys, self.values):
+                for layer, buffer in enumerate(buffers):
+                    kept = self.lengths[layer] - self.first
+                    buffers[layer] = torch.cat([buffer[:, :, drop:drop + kept], buffer[:, :, :drop]], dim=2)
+            self.base = self.first
+
+    def crop(self, length: int) -> None:
+        """Forget the context after ``length`` positions (the buffers stay)."""
+        if length < self.first:
+            raise ValueError(f"cannot crop the draft cache to {length}: positions before {self.first} are forgotten")
+        self.lengths = [min(n, length) for n in self.lengths]
+
+
+class StepAttention:
+    """A decode step's attention: one block over the cached context, through the cache's buffers (no copy), with
+    the sliding window's edge masked per query (a query at position p sees keys after p - window)."""
+
+    def __init__(self, cache: DraftCache, layer: int, mask: torch.Tensor | None):
+        self.cache, self.layer, self.mask = cache, layer, mask
+
+    def __call__(self, q, context_k, context_v, block_k, block_v, enable_gqa: bool) -> torch.Tensor:
+        k, v = self.cache.with_block(self.layer, block_k, block_v)
+        # A strided query takes SDPA's slow CPU path: 2x the step at 8K context.
+        return F.scaled_dot_product_attention(q.contiguous(), k, v, attn_mask=self.mask, enable_gqa=enable_gqa)
+
+
+def step_window_mask(first: int, start: int, block: int, window: int | None, device) -> torch.Tensor | None:
+    """[block, keys] visibility of context positions first .. start - 1 and the block for queries at start .. start +
+    block - 1; None when every query sees every key."""
+    if window is None or start - first + block <= window:
+        return None
+    query = torch.arange(start, start + block, device=device)[:, None]
+    context = torch.arange(first, start, device=device)[None, :]
+    sees_context = query - context < window
+    return torch.cat([sees_context, torch.ones(block, block, dtype=torch.bool, device=device)], dim=1)
 
 
 def dflash_settings(config: Qwen3Config) -> tuple[list[int], int | None, int]:
@@ -146,6 +224,13 @@ def dflash_settings(config: Qwen3Config) -> tuple[list[int], int | None, int]:
     return layer_ids, mask_token_id, block_size
 
 
+def draft_window(config: Qwen3Config) -> int | None:
+    """The draft attention's sliding window from a reference-format config (vLLM's ``dflash_config.use_swa`` /
+    ``swa_window_size``, which drafters.drafter.config writes beside the Qwen3 keys); None: full attention."""
+    extra = getattr(config, "dflash_config", None) or {}
+    return int(extra["swa_window_size"]) if extra.get("use_swa") else None
+
+
 class DFlashDrafter(nn.Module):
     # Blocks per SDPA call in the training forward (drafters.drafter.blocks.BlockAttention); any value gives the same
     # numbers, and one at least the anchor count is a single dense masked attention (BENCHMARKS.md, issue 12).
@@ -155,6 +240,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         self.target_layer_ids, self.mask_token_id, self.block_size = dflash_settings(config)
+        self.sliding_window = draft_window(config)
         hidden = config.hidden_size
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
@@ -204,7 +290,7 @@ class DFlashDrafter(nn.Module):
         ctx_positions = torch.arange(ctx_len, device=x.device).expand(bsz, -1)
         block_rope = self._rope(x, block_positions(anchors, b).flatten(1))
         ctx_rope = self._rope(context, ctx_positions)
-        blocks = BlockAttention(anchors, ctx_len, b, self.attention_group_blocks)
+        blocks = BlockAttention(anchors, ctx_len, b, self.attention_group_blocks, self.sliding_window)
         copy_layer = 0 if copy_query == "anchor" else len(self.layers) - 1
         copy_logp = None
         for i, layer in enumerate(self.layers):
@@ -246,7 +332,10 @@ class DFlashDrafter(nn.Module):
         device = x.device
         ctx_rope = self._rope(context, torch.arange(start - n_new, start, device=device).expand(bsz, -1))
         block_rope = self._rope(x, torch.arange(start, start + bq, device=device).expand(bsz, -1))
+        if self.sliding_window is not None:  # the first query (at start) sees positions after start - window
+            cache.forget_before(start - self.sliding_window + 1)
+        mask = step_window_mask(cache.first, start, bq, self.sliding_window, device)
         for i, layer in enumerate(self.layers):
             k, v = cache.extend(i, *layer.self_attn.keys_values(context, ctx_rope))
-            x = layer(x, block_rope, k, v)
+            x = layer(x, block_rope, k, v, StepAttention(cache, i, mask))
         return self.norm(x)

@@ -206,7 +206,8 @@ def serving_check(export_dir: str | Path, config, *, engine: Engine | None = Non
 def serving_check_config(out: str | Path, target: str | None = None, *, categories=("code", "prose"),
                          trajectories: list[str] | None = None, max_prompts: int = 4, max_new_tokens: int = 64,
                          cache_dir: str | None = None):
-    """The config of a serving check: greedy, fp32, no teacher-forced estimate, no reference decoder."""
+    """The config of a serving check: greedy, fp32, no teacher-forced estimate, no reference decoder, no lookup."""
     return PipelineConfig(cache_dir=cache_dir, target=TargetConfig(path=target), eval=EvalConfig(
         categories=list(categories), trajectories=list(trajectories or []), max_prompts=max_prompts,
-        max_new_tokens=max_new_tokens, reference_subset=0, simulate=False, warmup=False, out=str(out)))
+        max_new_tokens=max_new_tokens, reference_subset=0, simulate=False, warmup=False, out=str(out),
+        with_lookup_min_match=None))

@@ -105,6 +105,14 @@ def vllm_command(target: str, out: str, cfg: dict) -> str:
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
+def attention_row(extra: dict) -> str:
+    if not extra.get("use_swa"):
+        return "full"
+    return (f"sliding window of {extra['swa_window_size']} positions (`dflash_config.use_swa`: vLLM serves it; SGLang "
+            "and the z-lab reference read a window from `layer_types` only and serve full attention, the same drafter "
+            f"up to {extra['swa_window_size']} positions of context)")
+
+
 def tau_table(info: dict) -> list[str]:
     """The drafter's tau per category; with the other methods' taus, which of them to serve."""
     given = {key: info[key] for key in TAU_KEYS if info.get(key)}
@@ -138,6 +146,7 @@ def model_card(cfg: dict, dtype: str, out: str, info: dict, sizes: dict) -> str:
               f"{cfg['num_attention_heads']} heads x {cfg['head_dim']}, {cfg['num_key_value_heads']} KV heads) |",
               f"| target layers read (`target_layer_ids`, output of 0-based layer i) | {extra['target_layer_ids']} of {cfg['num_target_layers']} |",
               f"| block size | {cfg['block_size']} |",
+              f"| draft attention | {attention_row(extra)} |",
               f"| mask token id | {extra['mask_token_id']} |", ""]
     lines += ["## Data", "", str(info.get("data") or "Not provided."), ""]
     lines += ["## Acceptance length (tau, tokens per target verify step, bonus token included)", ""]

@@ -32,7 +32,9 @@ IGNORED_2_OF_8 = [
     "layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj", "layers.0.self_attn.qkv_proj",
     "layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj", "layers.1.self_attn.v_proj", "layers.1.self_attn.qkv_proj",
     "model.layers.8.self_attn.q_proj", "model.layers.8.self_attn.k_proj", "model.layers.8.self_attn.v_proj",
+    "model.layers.8.self_attn.qkv_proj",
     "model.layers.9.self_attn.q_proj", "model.layers.9.self_attn.k_proj", "model.layers.9.self_attn.v_proj",
+    "model.layers.9.self_attn.qkv_proj",
 ]
 QUANT_2_OF_8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
                 "ignored_layers": IGNORED_2_OF_8, "modules_to_not_convert": IGNORED_2_OF_8}

@@ -131,9 +131,13 @@ def quantization_config(num_layers: int, num_target_layers: int | None = None) -
                                         variant itself and maps its fused qkv_proj onto these shards;
       layers.i.self_attn.qkv_proj       the fused module name, for SGLang versions that compare the
                                         fused prefix directly (no packed_modules_mapping on DFlash);
-      model.layers.{T+i}.self_attn.{q,k,v}_proj   vLLM's module prefixes: its DFlash model names draft
+      model.layers.{T+i}.self_attn.{q,k,v,qkv}_proj   vLLM's module prefixes: its DFlash model names draft
                                         layer i `model.layers.{T+i}` (T = the target's layer count,
-                                        `num_target_layers`) and matches ignored_layers exactly.
+                                        `num_target_layers`) and matches ignored_layers exactly. Its DFlash
+                                        quant config has no packed_modules_mapping, so it compares the fused
+                                        qkv_proj prefix as it is: without that name vLLM 0.32 quantizes the bf16
+                                        q/k/v, never loads their scales (left at float32's minimum), and every
+                                        draft is rejected (tau 1.00 with the real target, BENCHMARKS.md).
     `modules_to_not_convert` repeats the list for transformers' FineGrainedFP8Config.
     """
     ignored: list[str] = []
@@ -141,7 +145,8 @@ def quantization_config(num_layers: int, num_target_layers: int | None = None) -
         ignored += [f"layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "qkv_proj")]
     if num_target_layers is not None:
         for i in range(num_layers):
-            ignored += [f"model.layers.{num_target_layers + i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+            ignored += [f"model.layers.{num_target_layers + i}.self_attn.{p}"
+                        for p in ("q_proj", "k_proj", "v_proj", "qkv_proj")]
     return {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",

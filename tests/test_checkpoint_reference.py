@@ -79,19 +79,25 @@ def test_saved_checkpoint_loads_in_reference_and_logits_match(smol, tmp_path):
     assert (ref.target_layer_ids, ref.mask_token_id, ref.block_size) == ([1, 8, 14, 20, 27], SMOL_MASK, 16)
 
     head = FrozenTargetHead.from_pretrained(folder, dtype=torch.float32)
+    assert_logits_match_reference(drafter, ref, head)
+
+
+def assert_logits_match_reference(drafter, ref, head, anchors=(7, 30), seq_len=40) -> dict[int, torch.Tensor]:
+    """Blocks at the anchors over random features: our decode step, our training forward and the reference give the
+    same logits. Returns our step's logits per anchor."""
     g = torch.Generator().manual_seed(0)
-    seq_len = 40
     features = torch.randn(1, seq_len, 5 * 576, generator=g)
     ids = torch.randint(0, 49152, (1, seq_len), generator=g)
-    anchors = torch.tensor([[7, 30]])
-    ours_train = drafter(features, ids, anchors, head.embed)
-    for n, a in enumerate(anchors[0].tolist()):
+    ours_train = drafter(features, ids, torch.tensor([list(anchors)]), head.embed)
+    steps = {}
+    for n, a in enumerate(anchors):
         block = head.embed(block_input_ids(ids, torch.tensor([[a]]), 16, SMOL_MASK)[:, 0])
         theirs = ref(position_ids=torch.arange(a + 16)[None], noise_embedding=block, target_hidden=features[:, :a])
         their_logits = ref.compute_logits(theirs[:, 1:], head.lm_head)
-        ours_step = head.logits(drafter.step(features[:, :a], block, a, DraftCache())[:, 1:])
-        torch.testing.assert_close(ours_step, their_logits, atol=TOL, rtol=TOL)
+        steps[a] = head.logits(drafter.step(features[:, :a], block, a, DraftCache())[:, 1:])
+        torch.testing.assert_close(steps[a], their_logits, atol=TOL, rtol=TOL)
         torch.testing.assert_close(head.logits(ours_train[:, n, 1:]), their_logits, atol=TOL, rtol=TOL)
+    return steps
 
 
 @torch.no_grad()
@@ -107,22 +113,13 @@ def test_sliding_window_matches_the_reference_and_vllms_reading(smol, tmp_path):
     from eval.reference import reference_config
 
     ref = reference.DFlashDraftModel.from_pretrained(out, config=reference_config(out), dtype=torch.float32).eval()
-    full = random_drafter(target_config)  # the same weights without the window
     head = FrozenTargetHead.from_pretrained(folder, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    features = torch.randn(1, 40, 5 * 576, generator=g)
-    ids = torch.randint(0, 49152, (1, 40), generator=g)
-    anchors = torch.tensor([[7, 30]])
-    ours_train = drafter(features, ids, anchors, head.embed)
-    for n, a in enumerate(anchors[0].tolist()):
-        block = head.embed(block_input_ids(ids, torch.tensor([[a]]), 16, SMOL_MASK)[:, 0])
-        theirs = ref(position_ids=torch.arange(a + 16)[None], noise_embedding=block, target_hidden=features[:, :a])
-        their_logits = ref.compute_logits(theirs[:, 1:], head.lm_head)
-        ours_step = head.logits(drafter.step(features[:, :a], block, a, DraftCache())[:, 1:])
-        torch.testing.assert_close(ours_step, their_logits, atol=TOL, rtol=TOL)
-        torch.testing.assert_close(head.logits(ours_train[:, n, 1:]), their_logits, atol=TOL, rtol=TOL)
-        unwindowed = head.logits(full.step(features[:, :a], block, a, DraftCache())[:, 1:])
-        assert torch.equal(unwindowed, ours_step) == (a + 16 <= 20)  # the window changes the far block only
+    windowed = assert_logits_match_reference(drafter, ref, head)
+    full = random_drafter(target_config)  # the same weights without the window
+    full_ref = reference.DFlashDraftModel.from_pretrained(save_drafter(full, tmp_path / "full"), dtype=torch.float32)
+    unwindowed = assert_logits_match_reference(full, full_ref.eval(), head)
+    for a, logits in windowed.items():
+        assert torch.equal(unwindowed[a], logits) == (a + 16 <= 20)  # the window changes the far block only
 
 
 def test_round_trip_and_atomic_overwrite(smol, tmp_path):

@@ -150,7 +150,7 @@ class DraftCache:
                 grown[:, :, :kept] = buffers[layer][:, :, :kept]
                 buffers[layer] = grown
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         start = self.lengths[layer] if layer < len(self.lengths) else self.base
         end = start + k.shape[2]
         self._room(layer, k, end)
@@ -179,7 +179,7 @@ class DraftCache:
             for buffers in (self.keys, self.values):
                 for layer, buffer in enumerate(buffers):
                     kept = self.lengths[layer] - self.first
-                    buffers[layer] = torch.cat([buffer[:, :, drop:drop + kept], buffer[:, :, :drop]], dim=2)
+                    buffer[:, :, :kept] = buffer[:, :, drop:drop + kept].clone()
             self.base = self.first
 
     def crop(self, length: int) -> None:

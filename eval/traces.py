@@ -35,8 +35,8 @@ from data.sources.builtin import iter_prompts
 from data.trajectory.reader import expand_paths, load_trajectories
 from drafters.target.chat import prompt_ids
 
-HELDOUT_CATEGORIES = ("code", "prose", "chat")
-CATEGORIES = ("code", "prose", "agentic", "chat")  # configs.schema.EvalConfig.categories: the same four
+HELDOUT_CATEGORIES = ("code", "prose", "chat", "writing")
+CATEGORIES = ("code", "prose", "agentic", "chat", "writing")  # configs.schema.EvalConfig.categories: the same five
 
 
 class TraceError(ValueError):

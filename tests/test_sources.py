@@ -270,6 +270,30 @@ def test_chat_passes_after_the_first_ask_each_question_another_way():
     assert len(list(iter_document_prompts(docs, seed=0, max_chars=4000, passes=None))) == len(prompts)
 
 
+def test_writing_holds_out_whole_subjects_and_asks_again_in_new_tones():
+    """A held-out subject is never written about in training, in any form; later passes vary tone and length."""
+    from data.sources.corpus import load_writing
+    from data.sources.prompts import WRITING_VARIATIONS
+
+    docs = load_writing()
+    assert len(docs) == 60 * 14 + 30 * 7 and len({d.id for d in docs}) == len(docs)
+    assert all(d.category == "writing" and d.source == "writing-prompts" and len(d.turns) == 1 for d in docs)
+    train, heldout = load_corpus("writing", "train"), load_corpus("writing", "heldout")
+    held_subjects = {d.group for d in heldout}
+    assert held_subjects and not held_subjects & {d.group for d in train}
+    assert all(sum(d.group == g for d in heldout) in (7, 14) for g in held_subjects)  # every form of the subject
+    letter = next(d for d in heldout if d.title == "letter").turns[0]
+    subject = letter.removeprefix("Write a warm letter to a close friend telling them about ").removesuffix(".")
+    assert subject != letter and len(subject) > 10
+    assert not any(subject in p.messages[0]["content"] for p in iter_prompts("writing", "train", passes=None))
+    one = [d for d in train if d.title == "story"][:2]
+    prompts = list(iter_document_prompts(one, passes=None))
+    assert len(prompts) == 2 * (1 + len(WRITING_VARIATIONS))  # then the stream ends rather than repeat a request
+    assert len({p.messages[0]["content"] for p in prompts}) == len(prompts)
+    assert all(p.task == "story" and p.messages[0]["content"].startswith(one[0].turns[0]) for p in prompts
+               if p.document_id == one[0].id)
+
+
 @pytest.mark.parametrize("category", CATEGORIES)
 def test_heldout_prompts_only_come_from_heldout_documents(category):
     heldout_ids = _ids(load_corpus(category, "heldout"))

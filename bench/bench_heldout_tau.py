@@ -20,17 +20,23 @@ from pathlib import Path
 import torch
 
 
-def continuations(target, tokenizer, prompts: int, new_tokens: int, categories=("code", "prose")) -> dict:
-    """{category: [(sequence [1, T], n_prompt)]}: each held-out prompt and the target's greedy answer."""
+def continuations(target, tokenizer, prompts: int, new_tokens: int, categories=("code", "prose"),
+                  trajectories: list[str] | None = None) -> dict:
+    """{category: [(sequence [1, T], n_prompt)]}: each held-out prompt and the target's greedy answer; the agentic
+    category's prompts are the last request of each held-out session in `trajectories`."""
     from engines.hf.generation import stop_token_ids
     from drafters.decoding.spec_decode import target_generate
-    from eval.traces import heldout_traces
+    from eval.traces import agentic_traces, heldout_traces
 
     stop_ids = stop_token_ids(target, tokenizer)
     out = {}
     for category in categories:
         rows = []
-        for trace in heldout_traces(category, tokenizer, max_prompts=prompts, max_new_tokens=new_tokens).traces:
+        traces = (agentic_traces(trajectories, len(tokenizer), max_prompts=prompts, max_new_tokens=new_tokens,
+                                 max_positions=target.config.max_position_embeddings)
+                  if category == "agentic" else
+                  heldout_traces(category, tokenizer, max_prompts=prompts, max_new_tokens=new_tokens))
+        for trace in traces.traces:
             answer = target_generate(target, torch.tensor([trace.input_ids]), new_tokens, stop_ids).tokens
             rows.append((torch.tensor([trace.input_ids + answer]), len(trace.input_ids)))
         out[category] = rows

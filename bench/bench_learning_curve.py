@@ -3,7 +3,8 @@
 Every training run with `train.snapshot_every: N` keeps a serving-format drafter every N steps under
 `<output_dir>/snapshots/step-NNNNNN/`, with the wall time the run had spent by then (data regeneration
 and feature capture included when the run did them: `elapsed_seconds` in its trainer_state.json). This
-script scores every snapshot of one or more runs on the eval's held-out code, prose and chat prompts,
+script scores every snapshot of one or more runs on the eval's held-out code, prose and chat prompts (or the
+categories of `--categories`: writing too, and agentic from the held-out sessions of `--trajectories`),
 teacher forced: the target (fp32, as in `eval.acceptance`) writes its greedy continuation once, every
 snapshot drafts a block at every continuation position, and slot k counts while slots 1..k match. That
 is the eval's `sim tau`, which tracks its decoded tau (BENCHMARKS.md).
@@ -11,7 +12,8 @@ is the eval's `sim tau`, which tracks its decoded tau (BENCHMARKS.md).
     python -m bench.bench_learning_curve quick=outputs/testbed full=outputs/testbed-full --out outputs/bench/curve
 
 Writes curve.json, curve.md (a table) and curve.png (tau against minutes, one line per run and
-category). Scores are cached in curve.json, so a rerun scores only new snapshots.
+category). Scores are cached in curve.json, so a rerun scores only new snapshots or new categories, and the
+target's continuations in continuations.pt, per category.
 `--prep-minutes NAME=M` adds M minutes to a run whose data and features came from an earlier run's cache.
 """
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 CATEGORIES = ("code", "prose", "chat")
+HELDOUT_CATEGORIES = ("code", "prose", "chat", "writing", "agentic")
 
 
 def snapshots(output_dir: Path) -> list[tuple[Path, dict]]:
@@ -72,14 +75,15 @@ def score(drafter, head, features_of, rows_of) -> dict:
     return out
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, categories=CATEGORIES) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CATEGORIES), figsize=(5 * len(CATEGORIES), 4), sharey=True)
-    for ax, category in zip(axes, CATEGORIES):
+    fig, axes = plt.subplots(1, len(categories), figsize=(5 * len(categories), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, category in zip(axes, categories):
         for run, points in results.items():
             pts = sorted(points.values(), key=lambda p: p["minutes"])
             ax.plot([p["minutes"] for p in pts], [p["scores"][category]["sim_tau"] for p in pts], marker="o", label=run)
@@ -92,25 +96,25 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def table(results: dict) -> str:
-    head = "| run | step | minutes | " + " | ".join(f"{c} tau | {c} slot-1" for c in CATEGORIES) + " |"
-    lines = [head, "|" + "---|" * (3 + 2 * len(CATEGORIES))]
+def table(results: dict, categories=CATEGORIES) -> str:
+    head = "| run | step | minutes | " + " | ".join(f"{c} tau | {c} slot-1" for c in categories) + " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(categories))]
     for run, points in results.items():
         for p in sorted(points.values(), key=lambda p: p["minutes"]):
-            cells = " | ".join(f"{p['scores'][c]['sim_tau']:.3f} | {p['scores'][c]['slot1']:.3f}" for c in CATEGORIES)
+            cells = " | ".join(f"{p['scores'][c]['sim_tau']:.3f} | {p['scores'][c]['slot1']:.3f}" for c in categories)
             lines.append(f"| {run} | {p['step']} | {p['minutes']:.1f} | {cells} |")
-    split = [p for points in results.values() for p in points.values() if "slot1_copyable" in p["scores"][CATEGORIES[0]]]
+    split = [p for points in results.values() for p in points.values() if "slot1_copyable" in p["scores"][categories[0]]]
     if split:
         lines += ["", "Slot-1 accuracy where prompt lookup's first token is right (copyable: the context holds the "
                   "answer) and elsewhere (share of copyable positions in brackets):", "",
-                  "| run | step | " + " | ".join(f"{c} copyable | {c} other" for c in CATEGORIES) + " |",
-                  "|" + "---|" * (2 + 2 * len(CATEGORIES))]
+                  "| run | step | " + " | ".join(f"{c} copyable | {c} other" for c in categories) + " |",
+                  "|" + "---|" * (2 + 2 * len(categories))]
         for run, points in results.items():
             for p in sorted(points.values(), key=lambda p: p["minutes"]):
-                if "slot1_copyable" not in p["scores"][CATEGORIES[0]]:
+                if "slot1_copyable" not in p["scores"][categories[0]]:
                     continue
                 cells = " | ".join(f"{_fmt(p['scores'][c]['slot1_copyable'])} ({p['scores'][c]['copyable_share']:.2f}) | "
-                                   f"{_fmt(p['scores'][c]['slot1_other'])}" for c in CATEGORIES)
+                                   f"{_fmt(p['scores'][c]['slot1_other'])}" for c in categories)
                 lines.append(f"| {run} | {p['step']} | {cells} |")
     return "\n".join(lines) + "\n"
 
@@ -136,8 +140,16 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per category")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prep-minutes", action="append", default=[], help="NAME=M: minutes of preparation the run reused")
+    parser.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma-separated, of {HELDOUT_CATEGORIES}")
+    parser.add_argument("--trajectories", action="append", default=[], help="held-out agent sessions (agentic)")
     parser.add_argument("--out", default="outputs/bench/curve")
     args = parser.parse_args(argv)
+    categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
+    unknown = sorted(set(categories) - set(HELDOUT_CATEGORIES))
+    if unknown or not categories:
+        parser.error(f"--categories: unknown {unknown}; choose from {HELDOUT_CATEGORIES}")
+    if "agentic" in categories and not args.trajectories:
+        parser.error("--categories agentic needs --trajectories (held-out agent sessions)")
 
     target = Path(args.target) if args.target else default_cache_dir() / "targets" / "SmolLM2-135M-Instruct"
     out = Path(args.out)
@@ -145,14 +157,21 @@ def main(argv=None) -> None:
     prep = {name: float(m) for name, _, m in (a.partition("=") for a in args.prep_minutes)}
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     cache = out / "continuations.pt"
-    key = {"target": str(target.resolve()), "prompts": args.prompts, "new_tokens": args.new_tokens, "categories": CATEGORIES}
+    key = {"target": str(target.resolve()), "prompts": args.prompts, "new_tokens": args.new_tokens}
     # Our own file of plain tensors and lists: weights_only keeps it from running code.
     traces = torch.load(cache, weights_only=True) if cache.exists() else None
-    if traces is None or traces["key"] != key:
+    if traces is None or {k: traces["key"].get(k) for k in key} != key:
+        traces = {"key": key, "categories": {}}
+    if args.trajectories and traces.get("trajectories") != sorted(args.trajectories):
+        traces["categories"].pop("agentic", None)  # other sessions: curve.json's agentic scores need a new --out
+        traces["trajectories"] = sorted(args.trajectories)
+    missing = [c for c in categories if c not in traces["categories"]]
+    if missing:
         tokenizer = AutoTokenizer.from_pretrained(target)
-        traces = {"key": key, "categories": continuations(model, tokenizer, args.prompts, args.new_tokens, CATEGORIES)}
+        traces["categories"].update(continuations(model, tokenizer, args.prompts, args.new_tokens, missing,
+                                                  args.trajectories))
         torch.save(traces, cache)
-    rows_of = traces["categories"]
+    rows_of = {c: traces["categories"][c] for c in categories}
     head = FrozenTargetHead.from_pretrained(target, dtype=torch.float32)
     captured: dict[tuple, dict] = {}
 
@@ -173,15 +192,20 @@ def main(argv=None) -> None:
         points = results.setdefault(name, {})
         for folder, state in snapshots(Path(path)):
             minutes = state.get("elapsed_seconds", 0.0) / 60 + prep.get(name, 0.0)
-            if folder.name in points and points[folder.name]["minutes"] == minutes:
+            done = points.get(folder.name)
+            if done and done["minutes"] == minutes and all(c in done["scores"] for c in categories):
                 continue
             drafter = load_drafter(folder, dtype=torch.float32).eval()
-            scores = score(drafter, head, features_for(drafter.target_layer_ids), rows_of)
+            todo = {c: rows for c, rows in rows_of.items() if not done or c not in done["scores"] or done["minutes"] != minutes}
+            scores = {**(done["scores"] if done and done["minutes"] == minutes else {}),
+                      **score(drafter, head, features_for(drafter.target_layer_ids), todo)}
             points[folder.name] = {"step": state["step"], "minutes": minutes, "scores": scores}
             print(json.dumps({"run": name, "step": state["step"], "minutes": round(minutes, 2), **scores}), flush=True)
             write_json_atomic(results_path, results)
-    (out / "curve.md").write_text(table(results))
-    plot(results, out / "curve.png")
+    shown = {run: {k: p for k, p in points.items() if all(c in p["scores"] for c in categories)}
+             for run, points in results.items()}
+    (out / "curve.md").write_text(table(shown, categories))
+    plot(shown, out / "curve.png", categories)
     print(f"wrote {results_path}, {out / 'curve.md'}, {out / 'curve.png'}")
 
 

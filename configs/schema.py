@@ -102,8 +102,9 @@ DEFAULT_WEIGHTS = {"code": 0.5, "prose": 0.2, "chat": 0.3}
 
 class SourceConfig(Strict):
     """One entry of data.mixture.sources: a built-in corpus, or the user's own prompts (data/sources/user_files.py)."""
-    # A built-in corpus (code: CPython's standard library; prose: Shakespeare; chat: MT-Bench and ChatterBot) ...
-    builtin: Literal["code", "prose", "chat"] | None = None
+    # A built-in corpus (code: CPython's standard library; prose: Shakespeare; chat: MT-Bench and ChatterBot;
+    # writing: letters, stories, explanations and product copy asked of the target) ...
+    builtin: Literal["code", "prose", "chat", "writing"] | None = None
     # ... or a local JSONL, JSON, Parquet or Arrow file, a folder of them, or a `datasets` folder.
     path: str | None = None
     # How a record holds its conversation: OpenAI `messages`, ShareGPT `conversations`, or a plain `prompt`.
@@ -142,10 +143,10 @@ class SourceConfig(Strict):
 
 
 class MixtureConfig(Strict):
-    # Shorthand for built-in corpora only: relative weights of code, prose and chat (they need not sum to 1).
+    # Shorthand for built-in corpora only: relative weights of code, prose, chat and writing (need not sum to 1).
     # Equal to sources: [{builtin: code, weight: 0.5}, {builtin: prose, weight: 0.2}, {builtin: chat, weight: 0.3}].
     # None: these defaults, when `sources` is empty.
-    weights: dict[Literal["code", "prose", "chat"], float] | None = None
+    weights: dict[Literal["code", "prose", "chat", "writing"], float] | None = None
     # Where the prompts come from (data/sources/user_files.py); num_samples is split over them by weight. Empty:
     # the built-in corpora, by `weights`. Set it and leave `weights` out.
     sources: list[SourceConfig] = []
@@ -264,6 +265,11 @@ class TrainConfig(Strict):
     copy_heads: int = Field(0, ge=0)
     copy_weight: float = Field(0.1, gt=0)
     copy_query: Literal["anchor", "slot"] = "slot"
+    # Teach each copy head's value path to carry the token at the position it reads: what the head writes from a
+    # copy source, through the final norm and the frozen lm_head, is trained to the token there (CE, this weight).
+    # The copy diagnosis (bench/history/2026-12-copy-diagnosis.md) found heads that point at the source but whose
+    # values decode to its token 9% of the time. None: off. Needs copy_heads; the checkpoint format is unchanged.
+    copy_value_weight: float | None = Field(None, gt=0)
     # Rows of these dataset categories appear this many times per epoch (e.g. {chat: 2}): more passes over a
     # category whose sources hold few prompts, without more regeneration.
     category_repeats: dict[str, Annotated[int, Field(ge=1)]] = {}
@@ -303,6 +309,8 @@ class TrainConfig(Strict):
     def _tv_needs_a_label(self) -> "TrainConfig":
         if self.tv_eta is not None and self.loss == "kl":
             raise ValueError("train.tv_eta blends total variation into a CE loss: it needs train.loss ce or ce_target")
+        if self.copy_value_weight is not None and not self.copy_heads:
+            raise ValueError("train.copy_value_weight trains the copy heads' values: it needs train.copy_heads > 0")
         return self
 
 
@@ -311,7 +319,7 @@ class EvalConfig(Strict):
     cache and thinking switch come from the target, cache_dir and data sections."""
 
     # Trace categories: held-out code / prose / chat prompts, and agent sessions from eval.trajectories.
-    categories: list[Literal["code", "prose", "agentic", "chat"]] = Field(["code", "prose", "agentic"], min_length=1)
+    categories: list[Literal["code", "prose", "agentic", "chat", "writing"]] = Field(["code", "prose", "agentic"], min_length=1)
     # Held-out agent sessions (trajectory log files or folders, token ids) for the agentic category.
     trajectories: list[str] = []
     agentic_per_session: int = Field(1, ge=1)  # the last N requests of each session

@@ -65,6 +65,12 @@ def test_the_tv_blend_needs_a_ce_loss():
         load_config(None, ["train.loss=kl", "train.tv_eta=3"])
 
 
+def test_the_copy_value_loss_needs_copy_heads():
+    assert load_config(None, ["train.copy_heads=2", "train.copy_value_weight=1"]).train.copy_value_weight == 1.0
+    with pytest.raises(ConfigError, match=r"train\.copy_value_weight trains the copy heads' values: it needs train\.copy_heads"):
+        load_config(None, ["train.copy_heads=0", "train.copy_value_weight=1"])
+
+
 def test_category_repeats_must_name_a_category_the_mixture_builds():
     assert load_config(None, ["train.category_repeats={chat: 2}"]).train.category_repeats == {"chat": 2}
     with pytest.raises(ConfigError, match=r"train\.category_repeats names \['caht'\], which the mixture does not build"):

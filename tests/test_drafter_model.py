@@ -313,3 +313,62 @@ def test_copy_loss_is_finite_without_sources_and_where_rows_have_none():
     some.loss.backward()
     torch.testing.assert_close(some.loss, -torch.tensor(0.25).log())
     assert torch.isfinite(logp.grad).all()
+
+
+@torch.no_grad()
+def test_head_writes_are_what_a_head_adds_from_the_position_it_attends_to(parts):
+    """A query head whose attention is all on context position p adds o_proj([0 .. v_p .. 0]) to the residual;
+    head_writes returns that through the final norm, for the copy heads, and forward returns it at copy_reads."""
+    drafter, embed = parts
+    feats, ids = inputs()
+    anchors = torch.tensor([[20, 9], [23, 6]])
+    heads = drafter.copy_head_ids(2)
+    attn = drafter.layers[-1].self_attn
+    group = attn.n_heads // attn.n_kv_heads
+    rows, positions = torch.tensor([0, 1, 1]), torch.tensor([4, 0, 17])
+    _, _, writes = drafter(feats, ids, anchors, embed, copy_heads=2, copy_reads=(rows, positions))
+    assert writes.shape == (3, 2, H)
+    for r, (b, p) in enumerate(zip(rows.tolist(), positions.tolist())):
+        rope = drafter._rope(feats, torch.tensor([[p]]))
+        values = attn.keys_values(drafter.fuse(feats[b : b + 1, p : p + 1]), rope)[1][0, :, 0]  # [kv_heads, d]
+        for m, head in enumerate(heads):
+            concat = torch.zeros(attn.n_heads, attn.head_dim)
+            concat[head] = values[head // group]
+            torch.testing.assert_close(writes[r, m], drafter.norm(attn.o_proj(concat.flatten())), atol=TOL, rtol=TOL)
+
+
+def test_copy_value_loss_teaches_the_copy_heads_to_write_the_token_they_read():
+    """The diagnosis's failure: a head pointed at the source writes something that does not decode to its token.
+    A few steps of copy_value_loss on the sources copy_reads picks make the readout name the token there."""
+    from drafters.drafter.objective import HeadVocabulary, copy_reads, copy_sources, copy_value_loss
+
+    torch.manual_seed(0)
+    cfg = build_draft_config(DrafterConfig(num_layers=2, block_size=B, num_target_features=K, num_key_value_heads=4),
+                             tiny_target_config(), MASK)
+    drafter = DFlashDrafter(cfg)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB - 1, (2, 12), generator=g).repeat(1, 4)  # a phrase said 4 times: many copy sources
+    table = torch.randn(VOCAB, K * H, generator=g)
+    feats = table[ids] + 0.1 * torch.randn(2, 48, K * H, generator=g)  # features that carry the token
+    lm_head = torch.randn(VOCAB, H, generator=g)
+    anchors = torch.tensor([[40, 30, 45, 20], [44, 35, 25, 47]])
+    sources = copy_sources(ids, torch.ones_like(ids), anchors, torch.ones_like(anchors, dtype=torch.bool), 2, 47)
+    rows, positions, heads = copy_reads(sources, max_rows=64, generator=torch.Generator().manual_seed(0))
+    assert 0 < len(rows) <= 64 and sources.any(1)[rows, heads, positions].all()
+    tokens = ids[rows, positions]
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+
+    def readout():
+        writes = drafter.head_writes(feats[rows, positions], drafter.copy_head_ids(2), len(drafter.layers) - 1)
+        return writes[torch.arange(len(heads)), heads]
+
+    with torch.no_grad():
+        before = ((readout() @ lm_head.T).argmax(-1) == tokens).float().mean()
+    for _ in range(60):
+        optimizer.zero_grad()
+        loss = copy_value_loss(readout(), tokens, HeadVocabulary(lm_head))
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        after = ((readout() @ lm_head.T).argmax(-1) == tokens).float().mean()
+    assert before < 0.2 and after > 0.9, (before, after)

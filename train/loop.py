@@ -41,7 +41,9 @@ from drafters.drafter.objective import (
     block_loss,
     block_targets,
     copy_loss,
+    copy_reads,
     copy_sources,
+    copy_value_loss,
     default_gamma,
     greedy_path,
     most_frequent_tokens,
@@ -324,15 +326,23 @@ class Objective:
         anchors, anchor_valid = anchors.to(self.device), anchor_valid.to(self.device)
         choices = self.choices_of(batch, features) if self.choices_of else None
         on_path = greedy_path(input_ids, choices) if tc.anchor_scope == "sequence" else None
+        sources = reads = None
+        if tc.copy_heads:
+            sources = copy_sources(input_ids, batch.attention_mask.to(self.device), anchors, anchor_valid,
+                                   tc.copy_heads, max(int(anchors.max()), 1))
+            if tc.copy_value_weight:
+                reads = copy_reads(sources, tc.logits_chunk, generator)
         with self.autocast():
             hidden = drafter(features.selected, input_ids, anchors, self.head.embed, copy_heads=tc.copy_heads,
-                             copy_query=tc.copy_query)
-        copy = None
+                             copy_query=tc.copy_query, copy_reads=None if reads is None else reads[:2])
+        copy = value_loss = None
         if tc.copy_heads:
-            hidden, copy_logp = hidden
-            sources = copy_sources(input_ids, batch.attention_mask.to(self.device), anchors, anchor_valid,
-                                   tc.copy_heads, copy_logp.shape[-1])
+            hidden, copy_logp, *writes = hidden
             copy = copy_loss(copy_logp, sources)
+            if reads is not None:
+                rows, positions, heads = reads
+                value_loss = copy_value_loss(writes[0][torch.arange(len(heads), device=heads.device), heads],
+                                             input_ids[rows, positions], self.head_vocab, tc.logits_chunk)
         targets = block_targets(anchors, anchor_valid, supervised.to(self.device), self.block_size, on_path)
         out = block_loss(hidden.float(), targets, features.final_hidden, input_ids, self.head_vocab,
                          gamma=self.gamma, kind=tc.loss, choices=choices, temperature=tc.kl_temperature,
@@ -341,6 +351,9 @@ class Objective:
         if copy is not None:
             out.loss = out.loss + tc.copy_weight * copy.loss
             out.copy_mass = copy.mass
+        if value_loss is not None:
+            out.loss = out.loss + tc.copy_value_weight * value_loss
+            out.copy_value_loss = value_loss.detach()
         return out, anchor_valid
 
 
@@ -508,13 +521,15 @@ def _record_micro_batch(window: dict, loss: float, out, anchor_valid: torch.Tens
     window["valid"].append(out.slot_valid.flatten(0, 1).cpu())
     if out.copy_mass is not None:
         window["copy_mass"].append(float(out.copy_mass))
+    if out.copy_value_loss is not None:
+        window["copy_value_loss"].append(float(out.copy_value_loss))
     window["tokens"] += int(anchor_valid.sum()) * block_size
     window["sequences"] += sequences
 
 
 def _new_window() -> dict:
     return {"loss": 0.0, "steps": 0, "nonfinite_steps": 0, "correct": [], "valid": [], "tokens": 0, "sequences": 0,
-            "copy_mass": [], "start": time.perf_counter()}
+            "copy_mass": [], "copy_value_loss": [], "start": time.perf_counter()}
 
 
 def _window_metrics(window: dict, lr: float, world: int, keep_prob: torch.Tensor | None) -> dict:
@@ -530,4 +545,6 @@ def _window_metrics(window: dict, lr: float, world: int, keep_prob: torch.Tensor
         **{f"slot_acc/{k + 1}": acc for k, acc in enumerate(stats["slot_accuracy"])},
         "block_tokens_per_s": window["tokens"] * world / seconds,
         **({"copy_attention_mass": sum(window["copy_mass"]) / len(window["copy_mass"])} if window["copy_mass"] else {}),
+        **({"copy_value_loss": sum(window["copy_value_loss"]) / len(window["copy_value_loss"])}
+           if window["copy_value_loss"] else {}),
     }

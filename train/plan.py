@@ -298,6 +298,7 @@ class StepShapes:
     head_rows: int       # rows of the head the loss projects onto (train.head_vocab or V)
     supervised_rows: float  # drafted slots with a loss per micro-batch (upper bound)
     copy_heads: int
+    copy_value_rows: int = 0  # with train.copy_value_weight: copy sources read out through the head (upper bound)
 
 
 def step_shapes(config: PipelineConfig, drafter, vocab: int) -> StepShapes:
@@ -318,7 +319,7 @@ def step_shapes(config: PipelineConfig, drafter, vocab: int) -> StepShapes:
         kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, inner=drafter.config.intermediate_size,
         layers=len(drafter.layers), features=len(drafter.target_layer_ids), vocab=vocab,
         head_rows=min(tc.head_vocab or vocab, vocab), supervised_rows=tc.batch_size * drawn * slots,
-        copy_heads=tc.copy_heads)
+        copy_heads=tc.copy_heads, copy_value_rows=tc.logits_chunk if tc.copy_value_weight else 0)
 
 
 def attention_groups(s: StepShapes) -> list[tuple[int, float]]:
@@ -394,6 +395,9 @@ def loss_peak_bytes(s: StepShapes, regime: str, loss: str, logits_chunk: int) ->
         "rows_and_gradient": rows * H * (FP32 + FP32) + (rows * H * BF16 if loss == "kl" else 0),
         "logits_chunk": chunk * s.head_rows * per_logit,
         "copy_loss": copy,
+        # copy_value_loss: the heads' writes (each row holds every copy head's) and their gradient; its logits chunk
+        # is freed before the block loss takes its own.
+        "copy_values": s.copy_value_rows * (s.copy_heads + 1) * H * (FP32 + FP32),
     }
 
 
@@ -422,6 +426,7 @@ def step_flops(s: StepShapes, loss: str) -> dict[str, float]:
         "block_layers": 3 * s.layers * 2 * R * layer_params,
         "attention": 3.5 * s.layers * attention_fwd,              # the backward recomputes the scores
         "vocabulary": s.supervised_rows * 2 * H * s.head_rows * (3 if loss == "kl" else 2),
+        "copy_values": s.copy_value_rows * 2 * H * (s.head_rows * 2 + 3 * (s.features * H + s.kv_width + s.copy_heads * H)),
     }
 
 

@@ -269,7 +269,8 @@ class DFlashDrafter(nn.Module):
             self._rotary.to(x.device)
         return self._rotary(x, positions)
 
-    def forward(self, target_features, input_ids, anchors, embed, copy_heads: int = 0, copy_query: str = "slot"):
+    def forward(self, target_features, input_ids, anchors, embed, copy_heads: int = 0, copy_query: str = "slot",
+                copy_reads: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Training forward: draft hidden states for N anchored blocks per sequence, in one pass.
 
         target_features: [Bsz, T, K*H] concatenated target layer outputs at every position.
@@ -280,6 +281,8 @@ class DFlashDrafter(nn.Module):
         copy_heads > 0: returns (hidden, copy_logp) with copy_logp [Bsz, N, copy_heads, ctx_len], the
         attention log-probabilities over the context of head copy_head_ids()[m] for lookup m: from slot 0
         in the first layer (copy_query "anchor"), or from slot m + 1 in the last layer ("slot").
+        copy_reads (batch indices, positions) [R] each, with copy_heads: also returns what each copy head writes
+        from those positions (head_writes, [R, copy_heads, H]) as a third output.
         """
         bsz, n = anchors.shape
         b = self.block_size
@@ -291,7 +294,7 @@ class DFlashDrafter(nn.Module):
         block_rope = self._rope(x, block_positions(anchors, b).flatten(1))
         ctx_rope = self._rope(context, ctx_positions)
         blocks = BlockAttention(anchors, ctx_len, b, self.attention_group_blocks, self.sliding_window)
-        copy_layer = 0 if copy_query == "anchor" else len(self.layers) - 1
+        copy_layer = self.copy_layer(copy_query)
         copy_logp = None
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(context, ctx_rope)
@@ -304,7 +307,27 @@ class DFlashDrafter(nn.Module):
             else:
                 x = layer(x, block_rope, k, v, blocks)
         hidden = self.norm(x).view(bsz, n, b, -1)
-        return hidden if copy_logp is None else (hidden, copy_logp)
+        if copy_logp is None:
+            return hidden
+        if copy_reads is None:
+            return hidden, copy_logp
+        rows, positions = copy_reads
+        return hidden, copy_logp, self.head_writes(target_features[rows, positions], self.copy_head_ids(copy_heads),
+                                                   copy_layer)
+
+    def copy_layer(self, copy_query: str) -> int:
+        return 0 if copy_query == "anchor" else len(self.layers) - 1
+
+    def head_writes(self, target_features: torch.Tensor, heads: list[int], layer: int) -> torch.Tensor:
+        """[..., len(heads), H]: what each query head of `layer` adds to the residual from one context position when
+        all its attention is there (o_proj's slice for the head times the value of the fused context), through the
+        final norm: the token a copy from that position would write."""
+        attn = self.layers[layer].self_attn
+        values = attn.v_proj(self.fuse(target_features)).unflatten(-1, (attn.n_kv_heads, attn.head_dim))
+        group = attn.n_heads // attn.n_kv_heads
+        d = attn.head_dim
+        writes = [values[..., h // group, :] @ attn.o_proj.weight[:, h * d:(h + 1) * d].T for h in heads]
+        return self.norm(torch.stack(writes, dim=-2))
 
     def copy_head_ids(self, copy_heads: int) -> list[int]:
         """One query head per key/value group first, so that each lookup gets its own keys and values."""

@@ -115,6 +115,7 @@ class LossOutput:
     slot_correct: torch.Tensor  # [Bsz, N, B-1] bool: draft argmax == target's choice
     slot_valid: torch.Tensor    # [Bsz, N, B-1] bool
     copy_mass: torch.Tensor | None = None  # with train.copy_heads: slot 0's attention mass on the copy sources
+    copy_value_loss: torch.Tensor | None = None  # with train.copy_value_weight: CE of the copy heads' readout
 
 
 class _VocabLoss(torch.autograd.Function):
@@ -284,6 +285,28 @@ def copy_loss(copy_logp: torch.Tensor, sources: torch.Tensor) -> CopyLoss:
         zero = copy_logp.new_zeros(())
         return CopyLoss(loss=zero, mass=zero, lookups=0)
     return CopyLoss(loss=-log_mass.mean(), mass=log_mass.detach().exp().mean(), lookups=int(has_source.sum()))
+
+
+def copy_reads(sources: torch.Tensor, max_rows: int, generator: torch.Generator | None = None):
+    """(batch indices, positions, head indices) [R]: the context positions copy head m reads, a source of its offset
+    for some block (copy_sources), at most max_rows of them (a random subset)."""
+    batch_idx, head_idx, positions = sources.any(1).nonzero(as_tuple=True)
+    if len(batch_idx) > max_rows:
+        keep = torch.randperm(len(batch_idx), generator=generator)[:max_rows].to(batch_idx.device)
+        batch_idx, head_idx, positions = batch_idx[keep], head_idx[keep], positions[keep]
+    return batch_idx, positions, head_idx
+
+
+def copy_value_loss(writes: torch.Tensor, tokens: torch.Tensor, head: HeadVocabulary, chunk_rows: int = 1024) -> torch.Tensor:
+    """writes [R, H]: what a copy head writes from a source (DFlashDrafter.head_writes); tokens [R]: the token there.
+    Mean CE of the lm_head's readout to that token: pointing at the source copies it only if this is low."""
+    if len(tokens) == 0:
+        return writes.sum() * 0
+    labels = head.local(tokens)
+    ones = torch.ones(len(labels), device=writes.device)
+    total, _ = _VocabLoss.apply(writes.float(), writes.new_empty(len(labels), 0), labels, ones, head.weight, "ce", 1.0,
+                                chunk_rows, None)
+    return total / len(labels)
 
 
 def acceptance_stats(slot_correct: torch.Tensor, slot_valid: torch.Tensor, keep_prob: torch.Tensor | None = None) -> dict:

@@ -52,7 +52,7 @@ def chat_engine_target(testbed_target, tmp_path_factory):
 CLOSED_LOOP_V0 = ["data.mixture.num_samples=6", "data.mixture.max_new_tokens=16", "data.mixture.prefilled_samples=0",
                   "data.max_seq_len=256", "train.max_steps=2", "train.snapshot_every=null", "logging.wandb=false",
                   "drafter.num_layers=1", "drafter.num_key_value_heads=null", "drafter.num_target_features=3",
-                  "train.copy_heads=0"]
+                  "train.copy_heads=0", "train.copy_value_weight=null"]
 
 
 @pytest.fixture(scope="session")

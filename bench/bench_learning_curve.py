@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 CATEGORIES = ("code", "prose", "chat")
-HELDOUT_CATEGORIES = ("code", "prose", "chat", "writing", "agentic")
 
 
 def snapshots(output_dir: Path) -> list[tuple[Path, dict]]:
@@ -133,6 +132,7 @@ def main(argv=None) -> None:
     from drafters.target.frozen import FrozenTargetHead
     from eval.inputs import parse_drafter_arg
     from configs.paths import default_cache_dir
+    from eval.traces import CATEGORIES as TRACE_CATEGORIES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="[NAME=]training output_dir with snapshots/")
@@ -140,14 +140,14 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per category")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prep-minutes", action="append", default=[], help="NAME=M: minutes of preparation the run reused")
-    parser.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma-separated, of {HELDOUT_CATEGORIES}")
+    parser.add_argument("--categories", default=",".join(CATEGORIES), help="comma-separated: code, prose, chat, writing, agentic")
     parser.add_argument("--trajectories", action="append", default=[], help="held-out agent sessions (agentic)")
     parser.add_argument("--out", default="outputs/bench/curve")
     args = parser.parse_args(argv)
     categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
-    unknown = sorted(set(categories) - set(HELDOUT_CATEGORIES))
+    unknown = sorted(set(categories) - set(TRACE_CATEGORIES))
     if unknown or not categories:
-        parser.error(f"--categories: unknown {unknown}; choose from {HELDOUT_CATEGORIES}")
+        parser.error(f"--categories: unknown {unknown}; choose from {TRACE_CATEGORIES}")
     if "agentic" in categories and not args.trajectories:
         parser.error("--categories agentic needs --trajectories (held-out agent sessions)")
 

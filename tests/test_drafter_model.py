@@ -359,7 +359,7 @@ def test_copy_value_loss_teaches_the_copy_heads_to_write_the_token_they_read():
     optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
 
     def readout():
-        writes = drafter.head_writes(feats[rows, positions], drafter.copy_head_ids(2), len(drafter.layers) - 1)
+        writes = drafter.head_writes(drafter.fuse(feats[rows, positions]), drafter.copy_head_ids(2), len(drafter.layers) - 1)
         return writes[torch.arange(len(heads)), heads]
 
     with torch.no_grad():

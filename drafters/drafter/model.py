@@ -312,18 +312,17 @@ class DFlashDrafter(nn.Module):
         if copy_reads is None:
             return hidden, copy_logp
         rows, positions = copy_reads
-        return hidden, copy_logp, self.head_writes(target_features[rows, positions], self.copy_head_ids(copy_heads),
-                                                   copy_layer)
+        return hidden, copy_logp, self.head_writes(context[rows, positions], self.copy_head_ids(copy_heads), copy_layer)
 
     def copy_layer(self, copy_query: str) -> int:
         return 0 if copy_query == "anchor" else len(self.layers) - 1
 
-    def head_writes(self, target_features: torch.Tensor, heads: list[int], layer: int) -> torch.Tensor:
-        """[..., len(heads), H]: what each query head of `layer` adds to the residual from one context position when
-        all its attention is there (o_proj's slice for the head times the value of the fused context), through the
-        final norm: the token a copy from that position would write."""
+    def head_writes(self, context: torch.Tensor, heads: list[int], layer: int) -> torch.Tensor:
+        """[..., len(heads), H]: what each query head of `layer` adds to the residual from one context position (its
+        fused features, [..., H]) when all its attention is there (o_proj's slice for the head times the value),
+        through the final norm: the token a copy from that position would write."""
         attn = self.layers[layer].self_attn
-        values = attn.v_proj(self.fuse(target_features)).unflatten(-1, (attn.n_kv_heads, attn.head_dim))
+        values = attn.v_proj(context).unflatten(-1, (attn.n_kv_heads, attn.head_dim))
         group = attn.n_heads // attn.n_kv_heads
         d = attn.head_dim
         writes = [values[..., h // group, :] @ attn.o_proj.weight[:, h * d:(h + 1) * d].T for h in heads]

@@ -270,6 +270,9 @@ class TrainConfig(Strict):
     # The copy diagnosis (bench/history/2026-12-copy-diagnosis.md) found heads that point at the source but whose
     # values decode to its token 9% of the time. None: off. Needs copy_heads; the checkpoint format is unchanged.
     copy_value_weight: float | None = Field(None, gt=0)
+    # Copy sources read out per step with copy_value_weight (a random subset): the readout is a projection onto the
+    # training head, as large as the block loss's at 1,024 rows (BENCHMARKS.md, copying).
+    copy_value_rows: int = Field(1024, ge=1)
     # Rows of these dataset categories appear this many times per epoch (e.g. {chat: 2}): more passes over a
     # category whose sources hold few prompts, without more regeneration.
     category_repeats: dict[str, Annotated[int, Field(ge=1)]] = {}

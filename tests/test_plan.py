@@ -79,6 +79,24 @@ def test_activation_formula_matches_what_autograd_saves(regime, batch, seq_len, 
     assert modelled == pytest.approx(sum(saved.values()), rel=0.08)
 
 
+
+def test_plan_counts_the_copy_value_readout_by_its_rows():
+    """train.copy_value_rows bounds the sources the copy value loss projects onto the head: the plan's FLOPs and loss
+    memory for it scale with that key, and are zero without the loss."""
+    from train.plan import loss_peak_bytes, step_flops
+
+    target = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2)
+    base = ["drafter.num_layers=2", "drafter.block_size=8", "drafter.num_target_features=3", "train.copy_heads=3"]
+    costs = {}
+    for rows, weight in ((0, "null"), (256, "1"), (1024, "1")):
+        config = load_config(None, base + [f"train.copy_value_weight={weight}", f"train.copy_value_rows={max(rows, 1)}"])
+        shapes = step_shapes(config, DFlashDrafter(build_draft_config(config.drafter, target, 5)), 1000)
+        assert shapes.copy_value_rows == rows
+        costs[rows] = (step_flops(shapes, "ce")["copy_values"], loss_peak_bytes(shapes, "autocast", "ce", 1024)["copy_values"])
+    assert costs[0] == (0, 0)
+    assert costs[1024][0] == pytest.approx(4 * costs[256][0]) and costs[1024][1] == pytest.approx(4 * costs[256][1])
+
 def test_launch_comes_from_the_launcher_then_the_config_header():
     kimi = REPO / "configs" / "kimi-k2.6.yaml"
     assert header_launch(kimi) == (16, "configs/accelerate/deepspeed_zero2.yaml")

@@ -331,7 +331,7 @@ class Objective:
             sources = copy_sources(input_ids, batch.attention_mask.to(self.device), anchors, anchor_valid,
                                    tc.copy_heads, max(int(anchors.max()), 1))
             if tc.copy_value_weight:
-                reads = copy_reads(sources, tc.logits_chunk, generator)
+                reads = copy_reads(sources, tc.copy_value_rows, generator)
         with self.autocast():
             hidden = drafter(features.selected, input_ids, anchors, self.head.embed, copy_heads=tc.copy_heads,
                              copy_query=tc.copy_query, copy_reads=None if reads is None else reads[:2])

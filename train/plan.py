@@ -319,7 +319,7 @@ def step_shapes(config: PipelineConfig, drafter, vocab: int) -> StepShapes:
         kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, inner=drafter.config.intermediate_size,
         layers=len(drafter.layers), features=len(drafter.target_layer_ids), vocab=vocab,
         head_rows=min(tc.head_vocab or vocab, vocab), supervised_rows=tc.batch_size * drawn * slots,
-        copy_heads=tc.copy_heads, copy_value_rows=tc.logits_chunk if tc.copy_value_weight else 0)
+        copy_heads=tc.copy_heads, copy_value_rows=tc.copy_value_rows if tc.copy_value_weight else 0)
 
 
 def attention_groups(s: StepShapes) -> list[tuple[int, float]]:

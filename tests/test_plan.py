@@ -79,7 +79,6 @@ def test_activation_formula_matches_what_autograd_saves(regime, batch, seq_len, 
     assert modelled == pytest.approx(sum(saved.values()), rel=0.08)
 
 
-
 def test_plan_counts_the_copy_value_readout_by_its_rows():
     """train.copy_value_rows bounds the sources the copy value loss projects onto the head: the plan's FLOPs and loss
     memory for it scale with that key, and are zero without the loss."""
@@ -96,6 +95,7 @@ def test_plan_counts_the_copy_value_readout_by_its_rows():
         costs[rows] = (step_flops(shapes, "ce")["copy_values"], loss_peak_bytes(shapes, "autocast", "ce", 1024)["copy_values"])
     assert costs[0] == (0, 0)
     assert costs[1024][0] == pytest.approx(4 * costs[256][0]) and costs[1024][1] == pytest.approx(4 * costs[256][1])
+
 
 def test_launch_comes_from_the_launcher_then_the_config_header():
     kimi = REPO / "configs" / "kimi-k2.6.yaml"

@@ -5,20 +5,27 @@
 
 At T = 0 the output is the target's greedy continuation whatever proposes the drafts, and the drafter's draft at
 an anchor depends only on the committed tokens' features. So per prompt the target decodes once, the drafter's
-block is computed teacher forced at every anchor of the continuation (``eval.measures.teacher_forced_slots``, the
-eval's sim tau), prompt lookup's draft at every anchor (``ngram_lookup``), and each rule is replayed step by step:
-it picks a draft, the target accepts its longest right prefix plus one token, and the next anchor follows. tau is
-committed tokens per step, as the eval decodes it (``dflash-pipeline eval`` checks the rule it serves by real
-decoding: column ``<name>+lookup``).
+argmax block is computed teacher forced at every anchor of the continuation (as the eval's sim tau), prompt
+lookup's candidates at every anchor (``ngram_matches``), and each rule is replayed step by step: it picks a draft,
+the target accepts its longest right prefix plus one token, and the next anchor follows. tau is committed tokens
+per step, as the eval decodes it (``dflash-pipeline eval`` checks the rule it serves by real decoding: column
+``<name>+lookup``). ``anchors.json`` keeps every proposal's accepted count per anchor, to replay other rules.
 
+Proposals at an anchor (n-grams up to 3, or up to 32 for the "long" ones, matched as long as they go):
+  lookup                          the continuation of the earliest occurrence of the longest match (``ngram_lookup``)
+  latest                          ... of the latest occurrence
+  picked                          ... of the occurrence that agrees longest with the drafter's draft
+                                  (``agreeing_continuation``; the earliest where none does)
 Rules:
-  drafter, lookup                 one proposer alone (lookup: no draft without a match)
-  lookup>=N else drafter          lookup's draft where the context's last N tokens recur (N = 1, 2, 3), else the
-                                  drafter's (``DrafterWithLookup``, ``eval.with_lookup_min_match``)
-  agree or lookup>=3              lookup's draft where its first token is the drafter's first, or its match is 3+
-                                  tokens long; else the drafter's
-  better per step                 the draft that commits more at every step: not a bound (committing more now moves
-                                  the later anchors), but what a perfect choice of one draft per step gets
+  drafter, lookup, latest lookup, long lookup    one proposer alone (lookup: no draft without a match)
+  lookup>=N else drafter          lookup's draft where the context's last N tokens recur, else the drafter's (the
+                                  drafter with lookup before it picked among occurrences)
+  picked>=2 else drafter          the picked continuation where the last 2+ tokens recur, else the drafter's: what
+                                  ``DrafterWithLookup`` serves (``eval.with_lookup_min_match`` 2)
+  long picked>=2 else drafter     the same with ``eval.lookup_max_ngram=32``
+  better per step                 the better of the drafter's and lookup's draft at every step: not a bound
+                                  (committing more now moves the later anchors), but what a perfect choice gets
+  best per step                   the same over every proposal above
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafters.decoding.proposers import ngram_lookup
+from drafters.decoding.proposers import agreeing_continuation, ngram_matches
 from drafters.decoding.spec_decode import target_generate
 from drafters.target.capture import HFCapture
 from drafters.target.frozen import FrozenTargetHead
@@ -43,19 +50,11 @@ from drafters.target.loading import (
 from drafters.target.testbed import prepare_testbed_target
 from engines.hf.generation import stop_token_ids
 from eval.inputs import load_spec, resolve_drafter
-from eval.measures import teacher_forced_slots
+from eval.measures import SIM_ANCHOR_CHUNK
 from eval.traces import agentic_traces, heldout_traces
 
 
-def match_length(context: np.ndarray, max_ngram: int) -> int:
-    """The longest n <= max_ngram whose last-n tokens recur earlier in the context (0: none)."""
-    for n in range(max_ngram, 0, -1):
-        if ngram_lookup(context, n, n, 1):
-            return n
-    return 0
-
-
-def accepted(draft: list[int], truth: list[int]) -> int:
+def accepted(draft, truth) -> int:
     count = 0
     for proposed, right in zip(draft, truth):
         if proposed != right:
@@ -64,40 +63,64 @@ def accepted(draft: list[int], truth: list[int]) -> int:
     return count
 
 
+@torch.no_grad()
+def drafter_blocks(drafter, head, features: torch.Tensor, sequence: torch.Tensor, n_prompt: int):
+    """The drafter's argmax block [N, B-1] at every anchor n_prompt .. T-2, teacher forced (the eval's sim tau),
+    and its expected accepted count [N] by its own probabilities (the sum over slots of the running product)."""
+    blocks, expected = [], []
+    for lo in range(n_prompt, sequence.shape[1] - 1, SIM_ANCHOR_CHUNK):
+        anchors = torch.arange(lo, min(lo + SIM_ANCHOR_CHUNK, sequence.shape[1] - 1))[None]
+        hidden = drafter(features, sequence, anchors, head.embed)
+        top = torch.softmax(head.logits(hidden[0, :, 1:]).float(), dim=-1).max(-1)
+        blocks.append(top.indices)
+        expected.append(top.values.cumprod(dim=-1).sum(dim=-1))
+    return torch.cat(blocks).numpy(), torch.cat(expected).tolist()
+
+
 def per_anchor(drafter, head, target, prompt: list[int], truth: list[int], num_draft: int) -> list[dict]:
-    """At every anchor of the continuation: each proposer's accepted count and what the rules look at."""
+    """At every anchor of the continuation: each proposal's accepted count and what the rules look at."""
     sequence = torch.tensor([prompt + truth])
     capture = HFCapture(target, list(drafter.target_layer_ids))
     try:
         features = capture.capture(sequence, with_final=False).selected
     finally:
         capture.remove()
-    correct, valid = teacher_forced_slots(drafter, head, features, sequence, len(prompt))
-    drafter_accepts = (correct & valid).long().cumprod(dim=1).sum(dim=1).tolist()
-    drafter_first = (correct[:, 0]).tolist()
+    drafts, expected = drafter_blocks(drafter, head, features, sequence, len(prompt))
     ids = np.array(prompt + truth)
     anchors = []
     for i, a in enumerate(range(len(prompt), len(ids) - 1)):
-        context = ids[: a + 1]
-        lookup = ngram_lookup(context, 3, 1, num_draft)
-        rest = ids[a + 1:].tolist()
-        lookup_accepts = accepted(lookup, rest)
-        # Where both first tokens are wrong, either draft commits one token: "agree" only matters where one is
-        # right, and there the two agree exactly when both are.
-        anchors.append({"drafter": drafter_accepts[i], "lookup": lookup_accepts,
-                        "match": match_length(context, 3) if lookup else 0,
-                        "agree": lookup_accepts > 0 and bool(drafter_first[i])})
+        context, rest = ids[: a + 1], ids[a + 1:].tolist()
+        step = {"drafter": accepted(drafts[i].tolist(), rest), "drafter expected": expected[i]}
+        for name, max_ngram in (("", 3), ("long ", LONG_NGRAM)):
+            n, starts = ngram_matches(context, max_ngram, 1)
+            if n:
+                lookup = context[starts[0]: starts[0] + num_draft].tolist()
+                latest = context[starts[-1]: starts[-1] + num_draft].tolist()
+                chosen, agree = agreeing_continuation(context, starts, drafts[i].tolist(), num_draft)
+            else:
+                lookup = latest = chosen = []
+                agree = 0
+            step |= {f"{name}lookup": accepted(lookup, rest), f"{name}latest": accepted(latest, rest),
+                     f"{name}picked": accepted(chosen, rest), f"{name}match": n, f"{name}agree": agree}
+        anchors.append(step)
     return anchors
 
+
+LONG_NGRAM = 32  # a suffix match this long picks the occurrence by more context (SuffixDecoding's idea)
+
+PROPOSALS = ("drafter", "lookup", "latest", "picked", "long lookup", "long latest", "long picked")
 
 RULES = {
     "drafter": lambda s: "drafter",
     "lookup": lambda s: "lookup",
-    "lookup>=1 else drafter": lambda s: "lookup" if s["match"] >= 1 else "drafter",
+    "latest lookup": lambda s: "latest",
+    "long lookup": lambda s: "long lookup",
     "lookup>=2 else drafter": lambda s: "lookup" if s["match"] >= 2 else "drafter",
     "lookup>=3 else drafter": lambda s: "lookup" if s["match"] >= 3 else "drafter",
-    "agree or lookup>=3": lambda s: "lookup" if s["agree"] or s["match"] >= 3 else "drafter",
+    "picked>=2 else drafter": lambda s: "picked" if s["match"] >= 2 else "drafter",
+    "long picked>=2 else drafter": lambda s: "long picked" if s["long match"] >= 2 else "drafter",
     "better per step": lambda s: "lookup" if s["lookup"] > s["drafter"] else "drafter",
+    "best per step": lambda s: max(PROPOSALS, key=lambda name: s[name]),
 }
 
 
@@ -142,16 +165,19 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     truths = {c: [target_generate(target, torch.tensor([t.input_ids]), args.max_new_tokens, stops).tokens
                   for t in ts.traces] for c, ts in sets.items()}
-    result = {}
+    result, anchor_log = {}, {}
     for spec_arg in args.drafter:
         spec = resolve_drafter(spec_arg)
         drafter = load_spec(spec, torch.float32, target_config)
         for category, ts in sets.items():
             steps = {name: [] for name in RULES}
+            prompts = []
             for trace, truth in zip(ts.traces, truths[category]):
                 anchors = per_anchor(drafter, head, target, trace.input_ids, truth, args.lookup_num_draft)
+                prompts.append({"new_tokens": len(truth), "anchors": anchors})
                 for name, rule in RULES.items():
                     steps[name] += replay(anchors, rule, len(truth))
+            anchor_log[f"{spec.name}/{category}"] = prompts
             result.setdefault(spec.name, {})[category] = {name: sum(s) / len(s) for name, s in steps.items()}
     lines = ["| drafter | traffic | " + " | ".join(RULES) + " |", "|---|---|" + "---:|" * len(RULES)]
     for name, per in result.items():
@@ -163,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "combination.json").write_text(json.dumps({"args": vars(args), "tau": result,
                                                       "seconds": time.perf_counter() - started}, indent=1))
     (out / "combination.md").write_text(table)
+    (out / "anchors.json").write_text(json.dumps(anchor_log))  # every proposal's accepted count, to replay other rules
     print(table)
     return result
 

@@ -342,7 +342,8 @@ class EvalConfig(Strict):
     # Prompt lookup's drafts per step. None: the first drafter's block size - 1 (15 without drafters).
     lookup_num_draft: int | None = Field(None, ge=0)
     # Each drafter also decodes with prompt lookup ("<name>+lookup"): lookup's draft on the steps where the
-    # context's last N tokens recur earlier, the drafter's on the others. None: not measured.
+    # context's last N tokens recur earlier (of several occurrences, the one the drafter's draft agrees with
+    # longest), the drafter's on the others. None: not measured.
     with_lookup_min_match: int | None = Field(2, ge=1)
     simulate: bool = True  # the teacher-forced estimate (sim tau) next to the real one
     warmup: bool = True  # one short decode first, so first-call allocations stay out of the timings

@@ -123,7 +123,8 @@ def _serving_section(report: dict) -> list[str]:
         for d, both in combined.items():
             taus = {d: c["methods"][d]["tau_mean"], both: c["methods"][both]["tau_mean"],
                     "prompt_lookup": c["methods"]["prompt_lookup"]["tau_mean"]}
-            best = max(taus, key=lambda m: taus[m] or 0.0)
+            # Cheapest first, so a tie goes to the method with the fewest drafter passes.
+            best = max(("prompt_lookup", d, both), key=lambda m: taus[m] or 0.0)
             cells = " / ".join(_f(taus[m]) for m in (d, both, "prompt_lookup"))
             lines.append(f"| {cat} | {d} | {cells} | {label(report, best)} |")
     lines += ["", "By tau, the tokens each target pass commits; a drafter pass costs more than a lookup, so where "

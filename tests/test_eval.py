@@ -15,12 +15,21 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from configs.schema import DrafterConfig, EvalConfig, PipelineConfig, TargetConfig
+from drafters.target.capture import HFCapture
 from drafters.target.chat import load_tokenizer, prompt_ids
+from drafters.target.frozen import FrozenTargetHead
 from data.trajectory.reader import write_trajectories
 from drafters.drafter.checkpoint import save_drafter
 from drafters.drafter.config import build_draft_config
 from drafters.drafter.model import DFlashDrafter
-from drafters.decoding.proposers import PromptLookup, ngram_lookup
+from drafters.decoding.proposers import (
+    DFlashProposer,
+    DrafterWithLookup,
+    PromptLookup,
+    agreeing_continuation,
+    ngram_lookup,
+    ngram_matches,
+)
 from drafters.decoding.spec_decode import generate, lookup_generate, target_generate
 from drafters.target.testbed import prepare_testbed_target, tiny_llama_target
 from eval import acceptance
@@ -101,6 +110,17 @@ def test_ngram_lookup_matches_the_earliest_longest_ngram():
     assert ngram_lookup([1, 2, 3, 4], 3, 1, 5) == []             # nothing repeats
     assert ngram_lookup([4, 4], 3, 2, 5) == []                   # min_ngram respected
     assert ngram_lookup(ctx, 3, 1, 0) == []
+
+
+
+def test_agreeing_continuation_takes_the_occurrence_the_draft_agrees_with():
+    ctx = [1, 2, 3, 7, 8, 1, 2, 3, 4, 5, 9, 1, 2, 3]
+    n, starts = ngram_matches(ctx, 3, 2)
+    assert (n, starts.tolist()) == (3, [3, 8])                  # both earlier [1, 2, 3]; the suffix itself is not one
+    assert agreeing_continuation(ctx, starts, [4, 5, 0], 3) == ([4, 5, 9], 2)      # the later one agrees
+    assert agreeing_continuation(ctx, starts, [0, 5, 0], 3) == ([7, 8, 1], 0)      # none agrees: the earliest
+    assert agreeing_continuation(ctx, starts, [4, 5, 9, 1, 2, 3], 8) == ([4, 5, 9, 1, 2, 3], 6)  # stops at the end
+    assert ngram_matches([1, 2, 3], 3, 1)[0] == 0
 
 
 @torch.no_grad()
@@ -236,6 +256,10 @@ def test_random_drafter_end_to_end_report(smol, random_drafter, tmp_path):
     serve = md.split("## What to serve")[1].split("\n\n")[1].splitlines()
     assert [row.split("|")[1].strip() for row in serve[2:]] == ["code", "agentic", "all"]
     assert all(row.split("|")[4].strip() in ("rand+lookup", "prompt lookup") for row in serve[2:])  # rand: tau 1
+    for row in serve[2:]:
+        methods = report["categories"][row.split("|")[1].strip()]["methods"]
+        if methods["rand+lookup"]["tau_mean"] == methods["prompt_lookup"]["tau_mean"]:
+            assert row.split("|")[4].strip() == "prompt lookup"  # a tie goes to the method without drafter passes
     # The export's model card takes the report: the drafter, the drafter with lookup and lookup, and what to serve.
     assert cli(["export", str(random_drafter), str(tmp_path / "export"), "--dtype", "bf16",
                 "--model-card-info", str(out / "report.json")]) == 0
@@ -331,6 +355,38 @@ def test_drafter_with_lookup_switches_and_keeps_the_drafter_whole(tiny_setup):
     assert B - 1 in both.proposed and any(0 < n <= 5 for n in both.proposed), both.proposed
     drafter_only = generate(drafter, target, ids, NEW)
     assert drafter_only.tokens == alone.tokens
+
+
+
+@torch.no_grad()
+def test_drafter_with_lookup_lets_the_drafter_choose_between_occurrences(tiny_setup):
+    """The context's last 2 tokens recur twice with different continuations: the drafter with lookup drafts the
+    continuation that agrees longest with the drafter's own draft on the same features, and decodes exactly."""
+    target_dir, _, drafter_path = tiny_setup
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = load_spec(resolve_drafter(str(drafter_path)), torch.float32, target.config)
+    head = FrozenTargetHead.from_model(target)
+    g = torch.Generator().manual_seed(7)
+    pair, one, two = (torch.randint(3, 500, (1, k), generator=g) for k in (2, 5, 5))
+    ids = torch.cat([torch.randint(3, 500, (1, 4), generator=g), pair, one, pair, two, pair], dim=1)
+    capture = HFCapture(target, list(drafter.target_layer_ids))
+    try:
+        features = capture.capture(ids[:, :-1], with_final=False).selected  # the anchor is the last token
+    finally:
+        capture.remove()
+    context = ids[0].numpy()
+    alone = DFlashProposer(drafter, head)
+    alone.start(features)
+    draft = alone.propose(context, 5, 0.0, None).drafts
+    both = DrafterWithLookup(DFlashProposer(drafter, head), PromptLookup(num_draft=5), min_match=2)
+    both.start(features)
+    chosen = both.propose(context, 5, 0.0, None).drafts
+    starts = ngram_matches(context, 3, 2)[1]
+    assert len(starts) == 2
+    assert chosen == agreeing_continuation(context, starts, draft, 5)[0]
+    assert chosen in (one[0].tolist(), two[0].tolist())
+    decoded = generate(drafter, target, ids, NEW, lookup=PromptLookup(num_draft=5), min_match=2)
+    assert decoded.tokens == target_generate(target, ids, NEW).tokens
 
 
 def test_sharded_bf16_target_decodes_like_one_device(tiny_setup, tmp_path):

@@ -12,7 +12,9 @@ occurrence in the context, as transformers and vLLM do, and propose up to ``num_
 followed it. No match: no draft, and the step is an ordinary decode step.
 
 The drafter with lookup (``DrafterWithLookup``) takes lookup's draft when the context's last ``min_match`` or more
-tokens recur earlier (copy work: edits, restated code, quoted text) and the drafter's otherwise.
+tokens recur earlier (copy work: edits, restated code, quoted text) and the drafter's otherwise. Where they recur
+more than once with different continuations (a file restated with edits, a line that recurs in several functions),
+the drafter chooses: the continuation that agrees longest with its own draft (``agreeing_continuation``).
 """
 
 from __future__ import annotations
@@ -58,23 +60,46 @@ class Proposer(Protocol):
         """The features [1, n, K*H] of the anchor and the accepted drafts of the last step (None without layers)."""
 
 
+def ngram_matches(context: np.ndarray | list[int], max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, np.ndarray]:
+    """(n, where the continuation of every earlier occurrence of the context's last n tokens starts, earliest
+    first) for the largest n in [min_ngram, max_ngram] that has one; (0, []) when none matches."""
+    context = np.asarray(context)
+    length = context.shape[0]
+    if length >= 2:
+        for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+            pattern = context[length - n:]
+            # Windows of context[:-1] start at 0 .. length - 1 - n: every occurrence except the suffix itself,
+            # and each is followed by at least one token.
+            windows = sliding_window_view(context[: length - 1], n)
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if hits.size:
+                return n, hits + n
+    return 0, np.zeros(0, dtype=np.int64)
+
+
+def agreeing_continuation(context: np.ndarray | list[int], starts: np.ndarray, draft: list[int],
+                          num_draft: int) -> tuple[list[int], int]:
+    """Of the continuations context[s: s + num_draft] for s in ``starts``, the one whose first tokens agree longest
+    with ``draft`` (the earliest on ties, so with no agreement it is ``ngram_lookup``'s), and how many agree."""
+    context = np.asarray(context)
+    padded = np.concatenate([context, np.full(num_draft, -1, dtype=context.dtype)])
+    continuations = padded[np.asarray(starts)[:, None] + np.arange(num_draft)]  # [occurrences, num_draft]
+    room = min(num_draft, len(draft))
+    agree = np.cumprod(continuations[:, :room] == np.asarray(draft[:room], dtype=context.dtype), axis=1).sum(axis=1)
+    best = int(np.argmax(agree))
+    return [int(t) for t in continuations[best] if t >= 0], int(agree[best])
+
+
 def ngram_lookup(context: np.ndarray | list[int], max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 15) -> list[int]:
     """Up to ``num_draft`` tokens that followed the earliest earlier occurrence of the context's last n
     tokens, for the largest n in [min_ngram, max_ngram] that has one; [] when none matches."""
-    context = np.asarray(context)
-    length = context.shape[0]
-    if num_draft <= 0 or length < 2:
+    if num_draft <= 0:
         return []
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        pattern = context[length - n:]
-        # Windows of context[:-1] start at 0 .. length - 1 - n: every occurrence except the suffix itself,
-        # and each is followed by at least one token.
-        windows = sliding_window_view(context[: length - 1], n)
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return context[start: start + num_draft].tolist()
-    return []
+    _, starts = ngram_matches(context, max_ngram, min_ngram)
+    if not starts.size:
+        return []
+    start = int(starts[0])
+    return np.asarray(context)[start: start + num_draft].tolist()
 
 
 class TargetOnly:
@@ -140,8 +165,9 @@ class DFlashProposer:
 
 class DrafterWithLookup:
     """Prompt lookup's draft when the context's last ``min_match`` (or more, up to ``lookup.max_ngram``) tokens
-    recur earlier in the context, the drafter's otherwise. The drafter still reads every committed token's
-    features, so its cache stays whole across the steps lookup drafts."""
+    recur earlier in the context, the drafter's otherwise; where they recur with different continuations, the one
+    that agrees longest with the drafter's draft (the earliest when none does). The drafter still reads every
+    committed token's features, so its cache stays whole across the steps lookup drafts."""
 
     def __init__(self, drafter: DFlashProposer, lookup: PromptLookup, min_match: int = 2):
         self.drafter, self.lookup, self.min_match = drafter, lookup, min_match
@@ -151,11 +177,15 @@ class DrafterWithLookup:
         self.drafter.start(prompt_features)
 
     def propose(self, context: np.ndarray, room: int, temperature: float, generator) -> Proposal:
-        copied = ngram_lookup(context, max(self.lookup.max_ngram, self.min_match), self.min_match,
-                              min(self.lookup.num_draft, room))
-        if copied:
-            return Proposal(copied)
-        return self.drafter.propose(context, room, temperature, generator)
+        num_draft = min(self.lookup.num_draft, room)
+        n, starts = ngram_matches(context, max(self.lookup.max_ngram, self.min_match), self.min_match)
+        if not n or num_draft <= 0:
+            return self.drafter.propose(context, room, temperature, generator)
+        continuations = {tuple(context[s: s + num_draft]) for s in starts.tolist()}
+        if len(continuations) == 1:
+            return Proposal([int(t) for t in continuations.pop()])
+        drafted = self.drafter.propose(context, room, temperature, generator)
+        return Proposal(agreeing_continuation(context, starts, drafted.drafts, num_draft)[0])
 
     def commit(self, features: torch.Tensor) -> None:
         self.drafter.commit(features)

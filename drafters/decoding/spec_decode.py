@@ -216,7 +216,7 @@ def generate(drafter: DFlashDrafter, target, input_ids: torch.Tensor, max_new_to
              block_size: int | None = None, generator: torch.Generator | None = None,
              lookup: PromptLookup | None = None, min_match: int = 2) -> Decoded:
     """Speculative decoding with a DFlash drafter; with ``lookup``, lookup's draft on the steps where the context's
-    last ``min_match`` tokens recur earlier (``DrafterWithLookup``)."""
+    last ``min_match`` tokens recur earlier, chosen among their occurrences by the drafter (``DrafterWithLookup``)."""
     head = head or FrozenTargetHead.from_model(target)
     proposer = DFlashProposer(drafter, head, block_size)
     if lookup is not None:

@@ -112,7 +112,6 @@ def test_ngram_lookup_matches_the_earliest_longest_ngram():
     assert ngram_lookup(ctx, 3, 1, 0) == []
 
 
-
 def test_agreeing_continuation_takes_the_occurrence_the_draft_agrees_with():
     ctx = [1, 2, 3, 7, 8, 1, 2, 3, 4, 5, 9, 1, 2, 3]
     n, starts = ngram_matches(ctx, 3, 2)
@@ -355,7 +354,6 @@ def test_drafter_with_lookup_switches_and_keeps_the_drafter_whole(tiny_setup):
     assert B - 1 in both.proposed and any(0 < n <= 5 for n in both.proposed), both.proposed
     drafter_only = generate(drafter, target, ids, NEW)
     assert drafter_only.tokens == alone.tokens
-
 
 
 @torch.no_grad()

@@ -136,6 +136,29 @@ def replay(anchors: list[dict], rule, new_tokens: int) -> list[int]:
     return steps
 
 
+def reach_by_slot(anchors: list[dict], proposal: str, num_draft: int) -> list[float]:
+    """The share of these anchors at which the proposal's first k drafted tokens are all right, k = 1..num_draft."""
+    return [sum(a[proposal] >= k for a in anchors) / max(1, len(anchors)) for k in range(1, num_draft + 1)]
+
+
+def copy_table(anchor_log: dict, num_draft: int) -> str:
+    """Where the drafter loses to copying: its reach per slot on the anchors prompt lookup (n-grams up to 32) gets
+    at least one token right ("copyable") and on the rest, beside lookup's own reach on the copyable ones."""
+    lines = ["| drafter/traffic | anchors | copyable | proposal | " + " | ".join(f"k={k}" for k in range(1, num_draft + 1))
+             + " |", "|---|---:|---:|---|" + "---:|" * num_draft]
+    for key, prompts in anchor_log.items():
+        every = [a for p in prompts for a in p["anchors"]]
+        copyable = [a for a in every if a["long lookup"] >= 1]
+        rest = [a for a in every if a["long lookup"] == 0]
+        for label, anchors, proposal in (("drafter, copyable", copyable, "drafter"),
+                                         ("long lookup, copyable", copyable, "long lookup"),
+                                         ("drafter, the rest", rest, "drafter")):
+            reach = reach_by_slot(anchors, proposal, num_draft)
+            lines.append(f"| {key} | {len(every)} | {len(copyable)} | {label} ({len(anchors)}) | "
+                         + " | ".join(f"{r:.3f}" for r in reach) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", action="append", required=True, help="NAME=PATH")
@@ -183,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, per in result.items():
         for category, taus in per.items():
             lines.append(f"| {name} | {category} | " + " | ".join(f"{taus[r]:.2f}" for r in RULES) + " |")
-    table = "\n".join(lines) + "\n"
+    table = "\n".join(lines) + "\n\n" + copy_table(anchor_log, args.lookup_num_draft)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "combination.json").write_text(json.dumps({"args": vars(args), "tau": result,

@@ -222,6 +222,9 @@ class FeaturesConfig(Strict):
     mode: Literal["online", "offline"] = "online"
     dtype: Literal["bf16", "fp8"] = "bf16"  # of the stored features (fp8: a float32 scale per token and tensor)
     shard_tokens: int = Field(65_536, ge=1)
+    # A tree cache of a grown dataset (more sessions) copies the features that finished caches of the same
+    # target, layers and dtype under <cache>/features already hold, instead of running the target on them again.
+    reuse_earlier: bool = True
 
 
 class TrainConfig(Strict):

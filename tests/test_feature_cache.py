@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from data.feature_cache import (
     CacheMismatchError,
+    EarlierFeatures,
     FeatureCacheReader,
     TreeCaptureStats,
     feature_bytes_per_token,
@@ -356,6 +357,47 @@ def test_interrupted_tree_capture_resumes_exactly(capture, tmp_path):
     # Resuming with a different tree into the same folder is refused.
     with pytest.raises(CacheMismatchError, match="tree"):
         write_tree_feature_cache(simulated_sessions(seed=3), capture, tmp_path / "part", **kw)
+
+
+def test_grown_dataset_copies_what_an_earlier_cache_holds_and_computes_only_the_new_tokens(capture, tmp_path):
+    """Stage 2 on more sessions: the old sessions' features come from their cache, the target runs on the rest."""
+    old = [p.input_ids.tolist() for p in simulated_sessions(seed=5).iter_paths(loss_once=False, drop_no_loss=False)]
+    new = [p.input_ids.tolist() for p in simulated_sessions(seed=6).iter_paths(loss_once=False, drop_no_loss=False)]
+    new += [old[0][:9] + [7, 8, 9], old[1][:30] + list(range(11, 25))]  # branch off an old edge and off an old row
+    grown = old + new
+    kw = dict(max_seq_len=40, dtype="bf16", shard_tokens=32, chunk_tokens=16, progress=False)
+    write_row_tree_feature_cache(make_dataset(old), capture, tmp_path / "old", **kw)
+    bounded = [tuple(r[:40]) for r in old]
+    tree, _ = row_prefix_tree(make_dataset(grown), 40)
+    edges = {e.edge_id: e for e in tree.iter_edges()}
+    held = 0  # tokens of grown-tree edges whose whole root path is a prefix of an old row: what can be copied
+    for e in edges.values():
+        chain = [e]
+        while chain[-1].parent_id != -1:
+            chain.append(edges[chain[-1].parent_id])
+        tokens = tuple(int(t) for a in reversed(chain) for t in a.tokens)
+        if any(r[:len(tokens)] == tokens for r in bounded):
+            held += len(e.tokens)
+    assert 0 < held < tree.unique_tokens
+
+    computed = []
+    counter = capture.decoder.embed_tokens.register_forward_hook(lambda m, a, o: computed.append(a[0].numel()))
+    try:
+        earlier = EarlierFeatures([tmp_path / "old"])
+        res = write_row_tree_feature_cache(make_dataset(grown), capture, tmp_path / "grown", known=earlier, **kw)
+    finally:
+        counter.remove()
+    assert res.complete and res.tokens_reused == earlier.tokens_reused == held
+    assert res.tokens_captured == tree.unique_tokens - held
+    # The target ran on the new tokens, plus old ancestors once as the KV context of new branches.
+    assert sum(computed) == res.tokens_captured + res.tokens_context and 0 < res.tokens_context <= 40 * len(new)
+    fresh = write_row_tree_feature_cache(make_dataset(grown), capture, tmp_path / "fresh", **kw)
+    assert fresh.tokens_reused == 0 and fresh.tokens_captured == tree.unique_tokens
+    copied = FeatureCacheReader(tmp_path / "grown", make_dataset(grown), dtype=torch.float32)
+    alone = FeatureCacheReader(tmp_path / "fresh", make_dataset(grown), dtype=torch.float32)
+    for r in range(len(grown)):  # the same features as a capture from scratch, to one bf16 rounding step
+        for got, want in zip(copied.get_row(r), alone.get_row(r)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=2**-8)
 
 
 def test_reader_refuses_a_cache_built_for_another_dataset(capture, rows, tmp_path):

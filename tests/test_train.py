@@ -282,6 +282,26 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
     assert capture["target_tokens"] == capture["cached_tokens"] == stats.unique_tokens
     assert capture["row_tokens"] == stats.path_tokens > stats.unique_tokens  # every row captured alone: 288 vs 216
 
+    # More traffic later: the grown set's cache copies what the first one holds; the target runs on the new tokens.
+    more = []
+    for s in range(4, 6):
+        context = system + torch.randint(20, 2000, (8,), generator=g).tolist()
+        output = torch.randint(20, 2000, (10,), generator=g).tolist()
+        more.append({"session_id": f"s{s}", "request_id": f"s{s}-r0", "input_ids": list(context),
+                     "output_ids": output, "timestamp": 1_700_000_100.0})
+    write_trajectories(more, workspace / "logs" / "more.jsonl")
+    grown_args = [a.replace(f"[{log}]", f"[{log}, {workspace / 'logs' / 'more.jsonl'}]") for a in stage2_args]
+    grown = _run([sys.executable, "-m", "scripts.cli", "prepare", *grown_args])
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    for r in more:
+        tree.add(r["input_ids"], r["output_ids"])
+    grown_capture = json.loads(grown.stdout.strip().splitlines()[-1])["features"]
+    assert grown_capture["reused_from"] == [capture["cache"]] and grown_capture["tokens_reused"] == stats.unique_tokens
+    assert grown_capture["tokens_captured"] == tree.stats().unique_tokens - stats.unique_tokens
+    # besides the new tokens, the target re-ran only the shared system prompt, as the new sessions' KV context
+    assert grown_capture["target_tokens"] == grown_capture["tokens_captured"] + len(system) == grown_capture[
+        "tokens_captured"] + grown_capture["tokens_context"]
+
 
 def test_reduced_head_with_target_labels_keeps_learning_curve_snapshots(workspace):
     out = workspace / "reduced_head"

@@ -50,7 +50,8 @@ SAFE_TO_CHANGE = (
     # where and how the engine runs, not what it computes
     "target.tensor_parallel", "target.pipeline_parallel", "target.expert_parallel", "target.memory_share",
     "target.max_model_len", "target.fingerprint", "data.mixture.accept_fewer",
-    "features.shard_tokens", "train.save_every", "train.keep_last", "train.log_every", "train.cpu_threads",
+    "features.shard_tokens", "features.reuse_earlier", "train.save_every", "train.keep_last", "train.log_every",
+    "train.cpu_threads",
     "train.resume", "train.trust_checkpoint_pickles", "train.resume_allow_config_change",
     "train.max_nonfinite_steps", "train.snapshot_every", "train.divergence_loss_factor",
     "train.divergence_grad_norm_factor", "train.divergence_weight_norm_factor", "train.divergence_patience",

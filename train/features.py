@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -22,7 +23,9 @@ from safetensors.torch import save
 from common.atomic_files import write_bytes_atomic, write_json_atomic
 from configs.schema import PipelineConfig
 from data.feature_cache import (
+    INDEX_FILE,
     CacheMismatchError,
+    EarlierFeatures,
     FeatureCacheReader,
     cache_complete,
     dataset_fingerprint,
@@ -101,6 +104,26 @@ def config_cache_dir(config: PipelineConfig, dataset, target_path: Path, layer_i
                              cache_layout(config), config.data.max_seq_len)
 
 
+def earlier_tree_caches(config: PipelineConfig, target_path: Path, layer_ids: list[int], cache_root: Path,
+                        out_dir: Path) -> list[Path]:
+    """Finished tree caches of a dataset, other than ``out_dir``, captured from this target's content with these
+    layers and dtype (their folder is the key of those settings and their own dataset), the largest first."""
+    target = target_fingerprint(target_path, config.target.fingerprint)
+    found = []
+    for folder in sorted((Path(cache_root) / "features").glob("cache-*")):
+        if folder == out_dir or not cache_complete(folder):
+            continue
+        index = json.loads((folder / INDEX_FILE).read_text())
+        dataset = index.get("dataset")
+        if index.get("kind") != "tree" or not dataset:
+            continue
+        key = feature_cache_dir(cache_root, dataset["fingerprint"], target, layer_ids, config.features.dtype, "tree",
+                                dataset["max_seq_len"])
+        if key == folder:
+            found.append((index["tree"]["unique_tokens"], folder))
+    return [folder for _, folder in sorted(found, key=lambda t: -t[0])]
+
+
 def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, layer_ids: list[int], cache_root: Path,
                           device, *, rank: int = 0, world_size: int = 1, log=print) -> dict:
     """Capture (or resume) this rank's share of the offline cache; returns what it cost, as a dict.
@@ -132,10 +155,16 @@ def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, la
     common = dict(max_seq_len=config.data.max_seq_len, rank=rank, world_size=world_size,
                   **feature_cache_kwargs(config.features))
     if layout == "tree":
-        result = write_row_tree_feature_cache(dataset, capture, out_dir, **common)
+        earlier = EarlierFeatures(earlier_tree_caches(config, target_path, layer_ids, cache_root, out_dir)
+                                  if config.features.reuse_earlier else [])
+        if earlier.sources:
+            log(f"[features]{where} copying what {len(earlier.sources)} earlier cache(s) hold: {', '.join(earlier.sources)}")
+        result = write_row_tree_feature_cache(dataset, capture, out_dir, known=earlier, **common)
     else:
         result = write_feature_cache(dataset, capture, out_dir, pad_token_id=0, **common)
     report = {"cache": str(out_dir), "layout": layout, "rank": rank, "world_size": world_size, **result.to_dict()}
+    if layout == "tree":
+        report.update(reused_from=earlier.sources)
     if known is not None:
         report.update(reused_tokens=capture.reused_tokens)
     forwarded = getattr(capture, "forwarded_tokens", None)

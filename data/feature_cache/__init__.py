@@ -15,6 +15,7 @@ Producers, one on-disk format, one reader (each module has one job):
   this for a training dataset's rows merged into a tree: rows that share a prefix compute it once.
 * ``reader``: :class:`FeatureCacheReader` - lazy, memory-mapped, dequantises to the requested dtype,
   serves rows (:meth:`~FeatureCacheReader.get_row`) or tree paths, refuses a dataset it was not built from.
+* ``reuse``: :class:`EarlierFeatures` - a grown dataset's tree capture copies what earlier tree caches hold.
 * ``store``: the folder (index, shard plan, one rank's atomic shard writer, resume, completion);
   ``quantization``: bf16 / FP8 storage; ``fingerprints``: content hashes of datasets and trees.
 
@@ -32,10 +33,12 @@ from data.feature_cache.quantization import (
                                     quantize_fp8,
 )
 from data.feature_cache.reader import FeatureCacheReader
+from data.feature_cache.reuse import EarlierFeatures
 from data.feature_cache.rows import feature_cache_kwargs, write_feature_cache
 from data.feature_cache.store import (
                                     CACHE_FORMAT,
                                     CACHE_VERSION,
+                                    INDEX_FILE,
                                     CacheMismatchError,
                                     CacheWriteResult,
                                     cache_complete,
@@ -55,7 +58,9 @@ __all__ = [
     "FP8_MAX",
     "CacheMismatchError",
     "CacheWriteResult",
+    "EarlierFeatures",
     "FeatureCacheReader",
+    "INDEX_FILE",
     "TreeCaptureStats",
     "cache_complete",
     "dataset_fingerprint",

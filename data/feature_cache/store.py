@@ -52,6 +52,7 @@ class CacheWriteResult:
     cached_tokens: int  # tokens the finished cache holds (a tree: its unique tokens)
     row_tokens: int | None  # dataset caches: the rows' tokens (bounded by max_seq_len), what per-row capture runs
     tokens_captured: int  # features computed and stored by this call
+    tokens_reused: int  # tree only: features copied from an earlier cache and stored by this call (not computed)
     tokens_context: int  # tree only: ancestor tokens re-run to rebuild a KV cache (not stored)
     padded_tokens: int  # rows only: padding positions the target computed in batches
     seconds: float
@@ -293,7 +294,7 @@ class ShardWriter:
         return True
 
     def result(self, kind: str, cached_tokens: int, row_tokens: int | None, *, tokens_context: int = 0,
-               padded_tokens: int = 0) -> CacheWriteResult:
+               padded_tokens: int = 0, tokens_reused: int = 0) -> CacheWriteResult:
         complete = bool(self.index.get("complete"))
         done = len(self.plan) if complete else sum(self.shard_done(s) for s in range(len(self.plan)))
         shards = self.index.get("shards", [])
@@ -303,9 +304,9 @@ class ShardWriter:
             out_dir=str(self.out_dir), kind=kind, complete=complete, shards_total=len(self.plan), shards_done=done,
             shards_written=self.written, segments=self.segments,
             rows=self.header["dataset"]["num_rows"] if self.header.get("dataset") else None, cached_tokens=int(cached_tokens),
-            row_tokens=None if row_tokens is None else int(row_tokens), tokens_captured=self.tokens,
-            tokens_context=int(tokens_context), padded_tokens=int(padded_tokens), seconds=dt,
-            tokens_per_s=self.tokens / dt if dt > 0 else 0.0,
+            row_tokens=None if row_tokens is None else int(row_tokens),
+            tokens_captured=self.tokens - int(tokens_reused), tokens_reused=int(tokens_reused), tokens_context=int(tokens_context), padded_tokens=int(padded_tokens), seconds=dt,
+            tokens_per_s=(self.tokens - int(tokens_reused)) / dt if dt > 0 else 0.0,
             bytes_per_token=stored / cached_tokens if complete and cached_tokens else 0.0,
         )
 

@@ -44,6 +44,7 @@ def crop(cache, length: int) -> None:
 class TreeCaptureStats:
     tokens_computed: int = 0  # tokens whose features were produced (each unique token once)
     tokens_context: int = 0  # ancestor tokens re-run to rebuild a KV cache after skipping edges (resume, ranks)
+    tokens_reused: int = 0  # tokens whose features were copied from an earlier cache (``known``), not computed
     forward_calls: int = 0
     strategy: str = ""
 
@@ -115,6 +116,7 @@ def iter_tree_features(
     capture,
     *,
     compute: Callable[[int], bool] | None = None,
+    known: Callable[[list, Any], tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     chunk_tokens: int = 8192,
     strategy: str = "auto",
     cache_factory: Callable[[], Any] | None = None,
@@ -126,7 +128,9 @@ def iter_tree_features(
     of a KV cache holding exactly its ancestors' tokens, so every unique token is computed once.
     Edges with ``compute(edge_id)`` False are skipped (resume, another rank's shards); a computed edge
     whose ancestors were skipped re-runs them once, without output, to rebuild its cache
-    (``stats.tokens_context``).
+    (``stats.tokens_context``). ``known(path, edge)``: the edge's features from elsewhere (an earlier cache,
+    :class:`data.feature_cache.reuse.EarlierFeatures`) or None; a known edge is yielded without running the
+    target, and is treated like a skipped one for its descendants' KV cache.
 
     ``strategy``: ``"crop"`` keeps one cache cropped back to each edge's start (:class:`_CroppedPath`);
     ``"copy"`` keeps a snapshot per non-leaf edge on the path (:class:`_CopiedPath`); ``"auto"``: crop
@@ -169,6 +173,14 @@ def iter_tree_features(
             path.append(e)
             if cached_path is not None:
                 cached_path.push_skipped()
+            continue
+        copied = known(path, e) if known is not None else None
+        if copied is not None:
+            stats.tokens_reused += len(e.tokens)
+            path.append(e)
+            if cached_path is not None:
+                cached_path.push_skipped()
+            yield e, copied[0], copied[1]
             continue
         if cached_path is None:
             use_crop = _use_crop(strategy, make_cache)
@@ -219,6 +231,7 @@ def write_tree_feature_cache(
     world_size: int = 1,
     rows: dict | None = None,
     dataset: dict | None = None,
+    known: Callable[[list, Any], tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> CacheWriteResult:
     """Capture a :class:`~data.trajectory.prefix_tree.PrefixTree`'s features once per unique token, one segment per edge.
 
@@ -227,6 +240,7 @@ def write_tree_feature_cache(
     captures its block of them. A resumed run, or a rank whose block starts below the root, re-runs
     the first pending edge's ancestors once to rebuild its KV cache (``tokens_context``); no stored
     feature is computed twice. ``rows`` / ``dataset``: set by :func:`write_row_tree_feature_cache`.
+    ``known``: features to copy instead of computing (:func:`iter_tree_features`).
     """
     header = make_header("tree", capture, dtype, shard_tokens)
     header["tree"] = tree_header(tree)
@@ -243,7 +257,8 @@ def write_tree_feature_cache(
             shard_of[writer.segments_of(s).start:writer.segments_of(s).stop] = s
         parts: list = []
         left = len(todo)
-        features = iter_tree_features(tree, capture, compute=lambda i: shard_of[i] >= 0, chunk_tokens=chunk_tokens,
+        features = iter_tree_features(tree, capture, compute=lambda i: shard_of[i] >= 0, known=known,
+                                      chunk_tokens=chunk_tokens,
                                       strategy=strategy, cache_factory=cache_factory, stats=stats)
         for e, sel, fin in features if left else ():
             parts.append(writer.encode(sel, fin, torch.tensor(np.asarray(e.tokens), dtype=torch.int32)))
@@ -257,7 +272,8 @@ def write_tree_feature_cache(
         writer.finish()
         unique = header["tree"]["unique_tokens"]
         row_tokens = None if dataset is None else dataset["total_tokens"]
-        return writer.result("tree", unique, row_tokens, tokens_context=stats.tokens_context)
+        return writer.result("tree", unique, row_tokens, tokens_context=stats.tokens_context,
+                             tokens_reused=stats.tokens_reused)
 
 
 def row_prefix_tree(dataset, max_seq_len: int | None = None):

@@ -258,6 +258,7 @@ def test_stage_two_finetunes_from_a_stage_one_output_dir(workspace, reference_ru
     assert manifest["kind"] == "dflash-prepared-trajectories"
     ingest = manifest["ingest"]
     assert (ingest["read"], ingest["accepted"], ingest["quarantined"]) == (13, 12, 1)
+    assert "traffic.jsonl:13" in Path(ingest["quarantine_path"]).read_text()  # the manifest names the kept quarantine
     result = _run([sys.executable, str(TRAIN), *stage2_args])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"init_from {reference_run}" in result.stdout + result.stderr

@@ -84,5 +84,7 @@ def _prepare(data: DataConfig, target: TargetConfig, target_path: Path, files: l
                     "target": {"path": str(Path(target_path).resolve()),
                                "fingerprint": target_fingerprint(target_path, target.fingerprint)},
                     "max_seq_len": data.max_seq_len,
-                    "ingest": summary.to_dict(), "tree": tree.stats().to_dict()}
+                    # where the quarantine will be once the folder is in place, not the folder being built
+                    "ingest": {**summary.to_dict(), "quarantine_path": str(out_dir / "quarantine.jsonl")},
+                    "tree": tree.stats().to_dict()}
         write_json_atomic(building / MANIFEST, manifest)

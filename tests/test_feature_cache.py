@@ -400,6 +400,41 @@ def test_grown_dataset_copies_what_an_earlier_cache_holds_and_computes_only_the_
             torch.testing.assert_close(got, want, atol=1e-5, rtol=2**-8)
 
 
+def test_grown_dataset_takes_the_target_choices_of_rows_an_earlier_cache_holds(capture, tmp_path):
+    """The lm_head pass over a grown set's rows runs only on the new rows; the old rows' choices are copied."""
+    from drafters.target.capture import Captured
+    from train.batches import Batch
+    from train.features import TargetChoices
+
+    old = make_rows(n=6, seed=3, lo=10, hi=30)
+    grown = make_rows(n=3, seed=4, lo=10, hi=30) + old  # new rows first: the old ones move to other indices
+    kw = dict(max_seq_len=40, dtype="bf16", progress=False)
+    write_row_tree_feature_cache(make_dataset(old), capture, tmp_path / "old", **kw)
+    write_row_tree_feature_cache(make_dataset(grown), capture, tmp_path / "grown", **kw)
+    head = capture.model.lm_head.weight
+
+    def every_row(choices, folder, rows):
+        reader = FeatureCacheReader(folder, make_dataset(rows), dtype=torch.float32)
+        for i, ids in enumerate(rows):
+            sel, fin = reader.get_row(i)
+            batch = Batch([i], torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long),
+                          torch.ones(1, len(ids), dtype=torch.bool))
+            choices(batch, Captured(sel[None], fin[None]))
+        return choices
+
+    every_row(TargetChoices(head, 64, store=tmp_path / "old" / "target_choices.safetensors", num_rows=len(old)),
+              tmp_path / "old", old)
+    grown_store = tmp_path / "grown" / "target_choices.safetensors"
+    copied = every_row(TargetChoices(head, 64, store=grown_store, num_rows=len(grown), earlier=[tmp_path / "old"]),
+                       tmp_path / "grown", grown)
+    assert copied.copied_positions == sum(map(len, old))
+    assert copied.projected_positions == sum(map(len, grown[:3]))
+    grown_store.unlink()
+    alone = every_row(TargetChoices(head, 64, store=grown_store, num_rows=len(grown)), tmp_path / "grown", grown)
+    assert alone.copied_positions == 0 and alone.projected_positions == sum(map(len, grown))
+    assert all(torch.equal(copied.rows[i], alone.rows[i]) for i in range(len(grown)))
+
+
 def test_reader_refuses_a_cache_built_for_another_dataset(capture, rows, tmp_path):
     ds = make_dataset(rows)
     write_feature_cache(ds, capture, tmp_path / "c", shard_tokens=10_000, progress=False)

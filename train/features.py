@@ -53,8 +53,9 @@ class OnlineFeatures:
 
 
 class OfflineFeatures:
-    def __init__(self, reader, device, max_seq_len: int, with_final: bool):
+    def __init__(self, reader, device, max_seq_len: int, with_final: bool, earlier: list[Path] | None = None):
         self.reader, self.device, self.max_seq_len, self.with_final = reader, device, max_seq_len, with_final
+        self.earlier = earlier or []  # earlier caches of the same target (earlier_tree_caches): their rows' choices
 
     def __call__(self, batch: Batch) -> Captured:
         width = batch.input_ids.shape[1]
@@ -199,7 +200,9 @@ def feature_source(config: PipelineConfig, dataset, target_path: Path, layer_ids
                                        log=accelerator.print)
         write_json_atomic(Path(config.output_dir) / "feature_capture.json", report)
     reader = FeatureCacheReader(out_dir, dataset)
-    return OfflineFeatures(reader, accelerator.device, config.data.max_seq_len, with_final)
+    earlier = (earlier_tree_caches(config, target_path, layer_ids, cache_root, out_dir)
+               if config.features.reuse_earlier and reader.kind == "tree" else [])
+    return OfflineFeatures(reader, accelerator.device, config.data.max_seq_len, with_final, earlier)
 
 
 def _regenerated(config: PipelineConfig, target_path: Path, layer_ids: list[int], cache_root: Path):
@@ -223,18 +226,23 @@ class TargetChoices:
 
     next_token_spans: per row, positions [lo, hi) whose choice is simply the next token, because the target
     wrote it greedily (data.sources.mixture.greedy_response_spans): the decode step already paid for that argmax.
+
+    earlier: earlier caches of the same target (a grown set of sessions): a row whose tokens equal a row of theirs
+    takes that row's stored choices, made with the same lm_head, instead of projecting it again.
     """
 
     def __init__(self, lm_head_weight: torch.Tensor, chunk_rows: int, *, store: Path | None = None,
                  num_rows: int | None = None, writes: bool = True,
-                 next_token_spans: list[tuple[int, int]] | None = None):
+                 next_token_spans: list[tuple[int, int]] | None = None, earlier: list[Path] | None = None):
         self.lm_head_weight, self.chunk_rows = lm_head_weight, chunk_rows
         self.next_token_spans = next_token_spans
         self.projected_positions = 0  # positions this object ran through the lm_head
+        self.copied_positions = 0  # positions whose choices came from an earlier cache's row
         self.rows: dict[int, torch.Tensor] = {}
         self.store, self.num_rows, self.writes = store, num_rows, writes
         self.head_sha256 = _weight_sha256(lm_head_weight) if store else None
         self.loaded = store is not None and self._load()
+        self.earlier = {} if self.loaded or not earlier else _earlier_choices(earlier, self.head_sha256)
 
     def _load(self) -> bool:
         if not self.store.exists():
@@ -260,6 +268,12 @@ class TargetChoices:
         for b, i in enumerate(batch.indices):
             if i not in self.rows:
                 n = int(lengths[b])
+                copied = self.earlier.get(_ids_key(batch.input_ids[b, :n])) if self.earlier else None
+                if copied is not None:
+                    self.rows[i] = copied
+                    self.copied_positions += n
+                    computed = True
+                    continue
                 lo, hi = self.next_token_spans[i] if self.next_token_spans is not None else (0, 0)
                 lo, hi = max(lo, 0), min(hi, n - 1)
                 projected = torch.ones(n, dtype=torch.bool)
@@ -280,6 +294,27 @@ class TargetChoices:
             row = self.rows[i]
             out[b, : len(row)] = row
         return out.to(captured.final_hidden.device)
+
+
+def _ids_key(ids: torch.Tensor) -> bytes:
+    return hashlib.blake2b(ids.to(torch.int32).contiguous().numpy().tobytes(), digest_size=16).digest()
+
+
+def _earlier_choices(cache_dirs: list[Path], head_sha256: str) -> dict[bytes, torch.Tensor]:
+    """Stored choices of the earlier caches' rows (made with this lm_head), by the content of the row's tokens."""
+    by_ids: dict[bytes, torch.Tensor] = {}
+    for folder in cache_dirs:
+        store = Path(folder) / "target_choices.safetensors"
+        if not store.exists():
+            continue
+        with safe_open(str(store), framework="pt") as f:
+            if (f.metadata() or {}).get("lm_head_sha256") != head_sha256:
+                continue
+            tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets").tolist()
+        reader = FeatureCacheReader(folder)
+        for r in range(reader.num_rows):
+            by_ids.setdefault(_ids_key(reader.row_ids(r)), tokens[offsets[r]:offsets[r + 1]])
+    return by_ids
 
 
 def _weight_sha256(weight: torch.Tensor, rows: int = 4096) -> str:

@@ -307,7 +307,8 @@ class Objective:
         choices_of = TargetChoices(head.lm_head.weight, tc.logits_chunk, store=choices_store(features_of),
                                    num_rows=len(dataset), writes=accelerator.is_main_process,
                                    next_token_spans=(greedy_response_spans(config.data.mixture, dataset)
-                                                     if config.rows_from == "mixture" else None)) if needs_choices else None
+                                                     if config.rows_from == "mixture" else None),
+                                   earlier=getattr(features_of, "earlier", None)) if needs_choices else None
         if choices_of is not None and choices_of.loaded:
             log(f"[train] the target's greedy choices of every row read from {choices_of.store}")
         head_vocab = training_head(head.lm_head.weight, tc.head_vocab, log, lambda: emitted_token_counts(
@@ -315,7 +316,8 @@ class Objective:
         if choices_of is not None and choices_of.projected_positions:
             known = sum(len(row) for row in choices_of.rows.values())
             log(f"[train] the target's greedy choices: {choices_of.projected_positions} of {known} positions projected "
-                f"onto the vocabulary, the rest read from its greedy responses")
+                f"onto the vocabulary, {choices_of.copied_positions} copied from earlier caches' rows, the rest read "
+                f"from its greedy responses")
         return cls(tc, draft_config.block_size, head, head_vocab, choices_of, accelerator)
 
     def __call__(self, drafter, batch: Batch, features: Captured, generator: torch.Generator):

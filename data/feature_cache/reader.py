@@ -245,6 +245,13 @@ class FeatureCacheReader:
         edge = int(self._row_edge[r])
         return self.get_path(edge, 0, int(self._row_length[r]), dtype) if edge >= 0 else self._empty(dtype)
 
+    def row_ids(self, r: int) -> torch.Tensor:
+        """The int32 token ids of dataset row r's cached tokens (its first ``max_seq_len``)."""
+        if self.kind == "rows":
+            return self.get_ids(r)
+        edge = int(self._row_edge[r])
+        return self.get_path_ids(edge, 0, int(self._row_length[r])) if edge >= 0 else torch.zeros(0, dtype=torch.int32)
+
     def row_length(self, r: int) -> int:
         """Tokens cached for dataset row r (its length, at most the capture's ``max_seq_len``)."""
         if self.kind == "rows":

@@ -62,13 +62,14 @@ def test_feature_cache_runs_the_target_only_on_rows_it_does_not_know(regenerated
     mixed = concatenate_datasets([dataset.select_columns(["input_ids"]), extra])
     reusing = HFCapture(model, LAYERS)
     reusing.known_features = RegeneratedFeatures(features_dir(out, LAYERS)).lookup
-    write_feature_cache(mixed, reusing, tmp_path / "reused", progress=False, batch_size=4)
+    reused = write_feature_cache(mixed, reusing, tmp_path / "reused", progress=False, batch_size=4)
     plain = HFCapture(model, LAYERS)
     write_feature_cache(mixed, plain, tmp_path / "plain", progress=False, batch_size=4)
 
     regenerated_tokens = sum(len(r) for r in dataset["input_ids"])
-    assert reusing.reused_tokens == regenerated_tokens
+    assert reusing.tokens_reused == regenerated_tokens
     assert reusing.computed_tokens == 7 + 3
+    assert reused.tokens_reused == regenerated_tokens and reused.tokens_captured == 7 + 3
     with FeatureCacheReader(tmp_path / "reused", mixed) as a, FeatureCacheReader(tmp_path / "plain", mixed) as b:
         for i in range(len(mixed)):
             sel_a, fin_a = a.get(i, dtype=torch.float32)

@@ -166,8 +166,6 @@ def capture_feature_cache(config: PipelineConfig, dataset, target_path: Path, la
     report = {"cache": str(out_dir), "layout": layout, "rank": rank, "world_size": world_size, **result.to_dict()}
     if layout == "tree":
         report.update(reused_from=earlier.sources)
-    if known is not None:
-        report.update(reused_tokens=capture.reused_tokens)
     forwarded = getattr(capture, "forwarded_tokens", None)
     report["target_tokens"] = forwarded if forwarded is not None else (
         result.tokens_captured + result.tokens_context + result.padded_tokens)

@@ -167,6 +167,18 @@ class FeatureCacheReader:
 
     __getitem__ = get
 
+    def first_ids(self) -> np.ndarray:
+        """Each segment's first token id (-1 for an empty segment), from one read of each shard's ids."""
+        out = np.full(len(self), -1, np.int64)
+        bounds = np.searchsorted(self._shard, np.arange(len(self.index["shards"]) + 1))  # segments lie in shard order
+        for s_no in range(len(bounds) - 1):
+            segs = np.arange(bounds[s_no], bounds[s_no + 1])
+            segs = segs[self._length[segs] > 0]
+            if len(segs):
+                ids = self._handle(s_no).get_slice("input_ids")[:].numpy()
+                out[segs] = ids[self._offset[segs]]
+        return out
+
     # -- tree caches ---------------------------------------------------------------------------------
 
     def _need_tree(self) -> None:

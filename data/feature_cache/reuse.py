@@ -10,6 +10,8 @@ another rank stored (``iter_tree_features``).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -17,23 +19,39 @@ from data.feature_cache.reader import FeatureCacheReader
 
 
 class _Tree:
-    """One earlier tree cache, walkable by tokens: (parent edge, first token) -> child edge."""
+    """One earlier tree cache, walkable by tokens: (parent edge, first token) -> child edge.
 
-    def __init__(self, reader: FeatureCacheReader):
+    It holds one sorted key per edge; edge ids are read when a walk reaches them (a bounded cache keeps the
+    shared prefixes'), so a production cache's tokens are not all held in memory."""
+
+    def __init__(self, reader: FeatureCacheReader, cached_edges: int = 1 << 16):
         self.reader = reader
-        self.ids = [reader.get_ids(e).numpy() for e in range(len(reader))]
-        parents = reader.index["tree"]["parent"]
-        self.children = {(int(parents[e]), int(ids[0])): e for e, ids in enumerate(self.ids) if len(ids)}
+        parents = np.asarray(reader.index["tree"]["parent"], np.int64)
+        first = reader.first_ids()
+        edges = np.nonzero(first >= 0)[0]
+        keys = self._key(parents[edges], first[edges])
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.edges = keys[order], edges[order]
+        self.ids = lru_cache(maxsize=cached_edges)(lambda e: reader.get_ids(e).numpy())
+
+    @staticmethod
+    def _key(parent, token):
+        return ((np.asarray(parent, np.int64) + 1) << 32) | np.asarray(token, np.int64)
+
+    def child(self, parent: int, token: int) -> int | None:
+        key = self._key(parent, token)
+        i = int(np.searchsorted(self.keys, key))
+        return int(self.edges[i]) if i < len(self.keys) and self.keys[i] == key else None
 
     def pieces(self, path_tokens: np.ndarray, start: int, end: int) -> list[tuple[int, int, int]] | None:
         """The (edge, lo, hi) slices holding positions [start, end) of ``path_tokens``, or None where the
         earlier tree does not hold that prefix."""
         pos, parent, out = 0, -1, []
         while pos < end:
-            edge = self.children.get((parent, int(path_tokens[pos])))
+            edge = self.child(parent, int(path_tokens[pos]))
             if edge is None:
                 return None
-            ids = self.ids[edge]
+            ids = self.ids(edge)
             n = min(len(ids), end - pos)
             if not np.array_equal(ids[:n], path_tokens[pos:pos + n]):
                 return None

@@ -76,6 +76,7 @@ def write_feature_cache(
     header["capture"] = {"batch_size": batch_size, "max_batch_tokens": max_batch_tokens, "padding": "right",
                          "hf_fingerprint": getattr(dataset, "_fingerprint", None)}
     padded = 0
+    reused_before = getattr(capture, "tokens_reused", 0)  # rows whose features regeneration already holds
     with ShardWriter(out_dir, header, bounded, rank=rank, world_size=world_size, overwrite=overwrite,
                      progress=progress) as writer:
         for shard_no in writer.pending:
@@ -87,7 +88,8 @@ def write_feature_cache(
             writer.write(shard_no, parts)
             padded += pad
         writer.finish()
-        return writer.result("rows", int(bounded.sum()), int(bounded.sum()), padded_tokens=padded)
+        return writer.result("rows", int(bounded.sum()), int(bounded.sum()), padded_tokens=padded,
+                             tokens_reused=getattr(capture, "tokens_reused", 0) - reused_before)
 
 
 def capture_rows(dataset, capture, writer: ShardWriter, first: int, end: int, batch_size: int, max_batch_tokens: int,

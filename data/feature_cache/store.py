@@ -52,7 +52,7 @@ class CacheWriteResult:
     cached_tokens: int  # tokens the finished cache holds (a tree: its unique tokens)
     row_tokens: int | None  # dataset caches: the rows' tokens (bounded by max_seq_len), what per-row capture runs
     tokens_captured: int  # features computed and stored by this call
-    tokens_reused: int  # tree only: features copied from an earlier cache and stored by this call (not computed)
+    tokens_reused: int  # features stored by this call but not computed: copied from an earlier cache (tree) or regeneration (rows)
     tokens_context: int  # tree only: ancestor tokens re-run to rebuild a KV cache (not stored)
     padded_tokens: int  # rows only: padding positions the target computed in batches
     seconds: float

@@ -65,7 +65,7 @@ class HFCapture(FeatureCapture):
         # Optional lookup: a row's token ids -> its Captured [T, ...] computed earlier (regeneration keeps
         # them), or None. capture() then runs the target only on the rows it does not know.
         self.known_features = None
-        self.reused_tokens = self.computed_tokens = 0
+        self.tokens_reused = self.computed_tokens = 0
         self.forwarded_tokens = 0  # positions run through the target (padding included): what capture cost
         hooked = {i for i in self.layer_ids if i < self.num_layers - 1}
         self._handles = [self.decoder.layers[i].register_forward_hook(self._layer_hook(i)) for i in sorted(hooked)]
@@ -163,7 +163,7 @@ class HFCapture(FeatureCapture):
             for j, b in enumerate(missing):
                 known[b] = Captured(out.selected[j, : lengths[b]], out.final_hidden[j, : lengths[b]] if with_final else None)
             self.computed_tokens += sum(lengths[b] for b in missing)
-        self.reused_tokens += sum(n for b, n in enumerate(lengths) if b not in missing)
+        self.tokens_reused += sum(n for b, n in enumerate(lengths) if b not in missing)
         width, sample = input_ids.shape[1], known[0]
         selected = sample.selected.new_zeros(len(rows), width, sample.selected.shape[-1], device=self.output_device)
         final = sample.selected.new_zeros(len(rows), width, self.decoder.norm.weight.shape[0], device=self.output_device) if with_final else None

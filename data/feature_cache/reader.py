@@ -191,6 +191,12 @@ class FeatureCacheReader:
         return int(self._leaves[leaf_id])
 
     @property
+    def parents(self) -> np.ndarray:
+        """Each edge's parent edge id (-1 for a root's child)."""
+        self._need_tree()
+        return self._parent
+
+    @property
     def num_leaves(self) -> int:
         self._need_tree()
         return int(self._leaves.shape[0])

@@ -26,10 +26,9 @@ class _Tree:
 
     def __init__(self, reader: FeatureCacheReader, cached_edges: int = 1 << 16):
         self.reader = reader
-        parents = np.asarray(reader.index["tree"]["parent"], np.int64)
         first = reader.first_ids()
         edges = np.nonzero(first >= 0)[0]
-        keys = self._key(parents[edges], first[edges])
+        keys = self._key(reader.parents[edges], first[edges])
         order = np.argsort(keys, kind="stable")
         self.keys, self.edges = keys[order], edges[order]
         self.ids = lru_cache(maxsize=cached_edges)(lambda e: reader.get_ids(e).numpy())

@@ -46,6 +46,7 @@ def main(argv=None) -> None:
 
     from bench.bench_heldout_tau import continuations
     from bench.bench_learning_curve import score
+    from common.atomic_files import write_text_atomic
     from configs.paths import default_cache_dir
     from drafters.drafter.checkpoint import load_drafter
     from drafters.target.capture import HFCapture
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
                      f"{h['sim_tau']:.3f} / {h['slot1']:.3f} / {share(h['slot1_copyable'])} | {t['sim_tau'] - h['sim_tau']:+.3f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "memory_gap.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(out / "memory_gap.md", "\n".join(lines) + "\n")
     print(f"wrote {out / 'memory_gap.md'}")
 
 
